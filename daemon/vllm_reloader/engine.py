@@ -1,0 +1,190 @@
+"""Driving the vLLM engine over its dev-mode HTTP API (`VLLM_SERVER_DEV_MODE=1`).
+
+`EngineClient` is the thin edge: one method per endpoint, httpx errors translated into
+`EngineUnavailable` / `EngineCallFailed` where they enter. `hot_swap` is the one reload
+sequence, and the only place that pauses the engine, so the rule "never leave it paused"
+lives in one `finally`.
+
+While weights are being replaced the engine's weight version reads `reloading:<version>`.
+A daemon that dies mid-reload therefore finds out on restart that the weights may be a
+mix of two checkpoints, instead of trusting the old version string.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from .config import EngineConfig
+from .errors import EngineCallFailed, EngineError, EngineUnavailable
+
+RELOADING_PREFIX = "reloading:"
+STARTUP_VERSION = "default"
+"""What vLLM reports as weight version before anyone set one."""
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, *, transport: httpx.BaseTransport | None = None) -> None:
+        self.config = config
+        self._http = httpx.Client(base_url=config.url, timeout=config.timeout, transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _call(self, method: str, path: str, *, timeout: float | None = None, **kwargs: Any) -> Any:
+        try:
+            response = self._http.request(method, path, timeout=timeout or self.config.timeout, **kwargs)
+        except httpx.TimeoutException as exc:
+            raise EngineUnavailable(f"{path}: timed out", endpoint=path) from exc
+        except httpx.TransportError as exc:
+            raise EngineUnavailable(f"{path}: {exc or type(exc).__name__}", endpoint=path) from exc
+        if response.status_code >= 400:
+            raise EngineCallFailed(
+                f"{path}: HTTP {response.status_code}: {_error_text(response)}",
+                endpoint=path,
+                status=response.status_code,
+            )
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise EngineCallFailed(f"{path}: answer is not JSON", endpoint=path) from exc
+
+    def weight_version(self) -> str:
+        body = self._call("GET", "/weight_info")
+        if not isinstance(body, dict) or not isinstance(body.get("weight_version"), str):
+            raise EngineCallFailed("/weight_info: no weight_version in answer", endpoint="/weight_info")
+        return str(body["weight_version"])
+
+    def startup_model(self) -> str:
+        """The model path the engine was started with (`/server_info` keeps it after reloads)."""
+        body = self._call("GET", "/server_info", params={"config_format": "json"})
+        try:
+            return str(body["vllm_config"]["model_config"]["model"])
+        except (KeyError, TypeError) as exc:
+            raise EngineCallFailed("/server_info: no model path in answer", endpoint="/server_info") from exc
+
+    def is_paused(self) -> bool:
+        body = self._call("GET", "/is_paused")
+        return bool(body.get("is_paused")) if isinstance(body, dict) else False
+
+    def pause(self, mode: str) -> None:
+        self._call("POST", "/pause", params={"mode": mode}, timeout=self.config.pause_timeout)
+
+    def resume(self) -> None:
+        self._call("POST", "/resume")
+
+    def reload_weights(self, path: str) -> None:
+        self._call(
+            "POST",
+            "/collective_rpc",
+            json={"method": "reload_weights", "kwargs": {"weights_path": path}},
+            timeout=self.config.reload_timeout,
+        )
+
+    def reset_prefix_cache(self) -> None:
+        self._call("POST", "/reset_prefix_cache")
+
+    def set_weight_version(self, version: str) -> None:
+        self._call("POST", "/update_weight_version", json={"new_version": version})
+
+
+def _error_text(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:200]
+    if isinstance(body, dict):
+        error = body.get("error", body.get("detail", body))
+        if isinstance(error, dict):
+            error = error.get("message", error)
+        return str(error)[:300]
+    return str(body)[:300]
+
+
+@dataclass(frozen=True)
+class Target:
+    version: str
+    path: str
+
+
+class ReloadFailed(EngineError):
+    """`reload_weights` failed; `restored` tells whether the fallback was loaded back."""
+
+    def __init__(self, message: str, *, restored: bool, engine_up: bool) -> None:
+        super().__init__(message, endpoint="/collective_rpc")
+        self.restored = restored
+        self.engine_up = engine_up
+
+
+@contextmanager
+def _timed(timings: dict[str, float], phase: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[f"{phase}_ms"] = round((time.perf_counter() - start) * 1000, 3)
+
+
+def hot_swap(
+    client: EngineClient,
+    target: Target,
+    *,
+    fallback: Target | None,
+    on_resume_failed: Callable[[EngineError], None],
+) -> dict[str, float]:
+    """pause → mark reloading → reload_weights → reset prefix cache → set version → resume.
+
+    Returns per-phase durations. Raises `ReloadFailed` (after restoring `fallback` when the
+    engine is still answering) or `EngineUnavailable`. Whatever happens after the pause
+    request was sent, resume is attempted before returning.
+    """
+    timings: dict[str, float] = {}
+    try:
+        with _timed(timings, "pause"):
+            client.pause(client.config.pause_mode)
+        client.set_weight_version(RELOADING_PREFIX + target.version)
+        with _timed(timings, "reload"):
+            try:
+                client.reload_weights(target.path)
+            except EngineError as exc:
+                raise _restore(client, fallback, exc) from exc
+        with _timed(timings, "reset"):
+            client.reset_prefix_cache()
+        client.set_weight_version(target.version)
+    finally:
+        with _timed(timings, "resume"):
+            _resume(client, on_resume_failed)
+    return timings
+
+
+def _restore(client: EngineClient, fallback: Target | None, cause: EngineError) -> ReloadFailed:
+    """The model may now hold a mix of old and new tensors: load the last good one back."""
+    engine_up = not isinstance(cause, EngineUnavailable)
+    if fallback is None:
+        return ReloadFailed(f"{cause}; no checkpoint to restore", restored=False, engine_up=engine_up)
+    try:
+        client.reload_weights(fallback.path)
+        client.reset_prefix_cache()
+        client.set_weight_version(fallback.version)
+    except EngineError as again:
+        return ReloadFailed(
+            f"{cause}; restoring {fallback.version} failed too: {again}",
+            restored=False,
+            engine_up=not isinstance(again, EngineUnavailable),
+        )
+    return ReloadFailed(f"{cause}; restored {fallback.version}", restored=True, engine_up=True)
+
+
+def _resume(client: EngineClient, on_failed: Callable[[EngineError], None]) -> None:
+    """One try; a failure is reported so the daemon keeps retrying from its main loop."""
+    try:
+        client.resume()
+    except EngineError as exc:
+        on_failed(exc)
