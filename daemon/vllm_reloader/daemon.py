@@ -319,6 +319,10 @@ class Daemon:
             self._engine_down(exc)
             return
         seconds = time.perf_counter() - started
+        loaded = Loaded(
+            name=candidate.name, version=version, path=path, since=time.time(), step=candidate.step
+        )
+        self._set_serving(loaded, last_good=loaded)
         self.log.info(
             "reload.succeeded",
             version=version,
@@ -328,10 +332,6 @@ class Daemon:
             gb_per_s=round(size / seconds / 1e9, 3) if seconds > 0 else None,
             **timings,
         )
-        loaded = Loaded(
-            name=candidate.name, version=version, path=path, since=time.time(), step=candidate.step
-        )
-        self._set_serving(loaded, last_good=loaded)
 
     def _set_serving(self, serving: Loaded | None, *, last_good: Loaded | None = None) -> None:
         update: dict[str, Any] = {"serving": serving}

@@ -1,0 +1,69 @@
+"""A scripted stand-in for the vLLM dev API, for injecting faults the real engine won't
+produce on demand. The real engine is what proves the whole works (test_e2e.py)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import httpx
+
+from vllm_reloader.config import EngineConfig
+from vllm_reloader.engine import EngineClient
+
+
+class FakeEngine:
+    def __init__(self, startup: str = "/models/startup") -> None:
+        self.calls: list[str] = []
+        self.version = "default"
+        self.startup = startup
+        self.loaded = startup
+        self.paused = False
+        self.fail: dict[str, Callable[[], httpx.Response]] = {}
+        """endpoint (or 'reload:<path>') -> response factory, or raise inside it."""
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        body = json.loads(request.content) if request.content else {}
+        key = path
+        if path == "/collective_rpc":
+            key = f"reload:{body['kwargs']['weights_path']}"
+        self.calls.append(key if path == "/collective_rpc" else path)
+        if key in self.fail:
+            return self.fail[key]()
+        if path == "/weight_info":
+            return httpx.Response(200, json={"weight_version": self.version})
+        if path == "/server_info":
+            return httpx.Response(200, json={"vllm_config": {"model_config": {"model": self.startup}}})
+        if path == "/pause":
+            self.paused = True
+            return httpx.Response(200, json={"status": "paused"})
+        if path == "/resume":
+            self.paused = False
+            return httpx.Response(200, json={"status": "resumed"})
+        if path == "/is_paused":
+            return httpx.Response(200, json={"is_paused": self.paused})
+        if path == "/collective_rpc":
+            self.loaded = body["kwargs"]["weights_path"]
+            return httpx.Response(200, json={"results": [None]})
+        if path == "/reset_prefix_cache":
+            return httpx.Response(200, json={"success": True})
+        if path == "/update_weight_version":
+            self.version = body["new_version"]
+            return httpx.Response(200, json={"success": True})
+        return httpx.Response(404)
+
+    def client(self, **config: object) -> EngineClient:
+        cfg = EngineConfig(url="http://engine.test", **config)  # type: ignore[arg-type]
+        return EngineClient(cfg, transport=httpx.MockTransport(self.handle))
+
+
+def error(status: int = 500, message: str = "boom") -> Callable[[], httpx.Response]:
+    return lambda: httpx.Response(status, json={"error": {"message": message}})
+
+
+def unreachable() -> Callable[[], httpx.Response]:
+    def fail() -> httpx.Response:
+        raise httpx.ConnectError("connection refused")
+
+    return fail

@@ -1,0 +1,89 @@
+import httpx
+import pytest
+from fake_engine import FakeEngine, error, unreachable
+
+from vllm_reloader.engine import RELOADING_PREFIX, ReloadFailed, Target, hot_swap
+from vllm_reloader.errors import EngineCallFailed, EngineUnavailable
+
+NEW = Target("step-2", "/root/step-2")
+OLD = Target("step-1", "/root/step-1")
+
+
+def swap(engine: FakeEngine, fallback: Target | None = OLD) -> tuple[dict[str, float], list[str]]:
+    failures: list[str] = []
+    timings = hot_swap(engine.client(), NEW, fallback=fallback, on_resume_failed=lambda e: failures.append(str(e)))
+    return timings, failures
+
+
+def test_engine_swap_runs_the_sequence_in_order():
+    engine = FakeEngine()
+    timings, failures = swap(engine)
+    assert engine.calls == [
+        "/pause",
+        "/update_weight_version",
+        "reload:/root/step-2",
+        "/reset_prefix_cache",
+        "/update_weight_version",
+        "/resume",
+    ]
+    assert engine.version == "step-2" and not engine.paused and not failures
+    assert set(timings) == {"pause_ms", "reload_ms", "reset_ms", "resume_ms"}
+
+
+def test_engine_swap_restores_last_good_and_resumes_when_reload_fails():
+    engine = FakeEngine()
+    engine.fail["reload:/root/step-2"] = error(500, "incomplete metadata")
+    with pytest.raises(ReloadFailed) as failed:
+        swap(engine)
+    assert failed.value.restored and failed.value.engine_up
+    assert "incomplete metadata" in str(failed.value)
+    assert engine.loaded == "/root/step-1"
+    assert engine.version == "step-1"
+    assert engine.calls[-1] == "/resume" and not engine.paused
+
+
+def test_engine_swap_reports_unrestored_weights_when_restore_fails_too():
+    engine = FakeEngine()
+    engine.fail["reload:/root/step-2"] = error()
+    engine.fail["reload:/root/step-1"] = error()
+    with pytest.raises(ReloadFailed) as failed:
+        swap(engine)
+    assert not failed.value.restored
+    assert engine.version == RELOADING_PREFIX + "step-2"  # a restarted daemon will know
+    assert not engine.paused
+
+
+def test_engine_swap_resumes_when_version_update_fails():
+    engine = FakeEngine()
+    engine.fail["/reset_prefix_cache"] = error(500)
+    with pytest.raises(EngineCallFailed):
+        swap(engine)
+    assert not engine.paused
+
+
+def test_engine_swap_reports_resume_failure_instead_of_hiding_it():
+    engine = FakeEngine()
+    engine.fail["/resume"] = error(500, "stuck")
+    _, failures = swap(engine)
+    assert failures and "stuck" in failures[0]
+
+
+def test_engine_unreachable_is_translated():
+    engine = FakeEngine()
+    engine.fail["/weight_info"] = unreachable()
+    with pytest.raises(EngineUnavailable) as failed:
+        engine.client().weight_version()
+    assert failed.value.endpoint == "/weight_info"
+    assert isinstance(failed.value.__cause__, httpx.ConnectError)
+
+
+def test_engine_error_status_is_translated_with_message():
+    engine = FakeEngine()
+    engine.fail["/pause"] = error(400, "bad mode")
+    with pytest.raises(EngineCallFailed, match="HTTP 400: bad mode") as failed:
+        engine.client().pause("keep")
+    assert failed.value.status == 400
+
+
+def test_engine_reads_startup_model_from_server_info():
+    assert FakeEngine(startup="/models/a").client().startup_model() == "/models/a"
