@@ -1,0 +1,59 @@
+"""The console script as a user runs it: a real subprocess, exit codes, one-line errors."""
+
+import subprocess
+import sys
+
+from conftest import write_weights
+
+from vllm_reloader.cli import main
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_reloader", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_cli_config_error_exits_2_with_one_line_and_no_traceback(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[source]\npath = "/x"\nwatch = true\n[engine]\nurl = "http://127.0.0.1:1"\n[state]\ndir = "/y"\n')
+    result = cli("run", "--config", str(bad))
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert "source.watch: unknown key" in result.stderr
+
+
+def test_cli_missing_required_key_exits_2(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[source]\npath = "/x"\n[state]\ndir = "/y"\n')
+    result = cli("run", "--config", str(bad))
+    assert result.returncode == 2
+    assert "engine: required key is missing" in result.stderr
+
+
+def test_cli_publish_then_verify_against_serving(tmp_path):
+    src = tmp_path / "out"
+    write_weights(src)
+    serving = tmp_path / "serving"
+    write_weights(serving, seed=3)
+    published = cli("publish", str(src), "--into", str(tmp_path / "root"), "--step", "5")
+    assert published.returncode == 0, published.stderr
+    assert published.stdout.strip() == str(tmp_path / "root" / "step-5")
+    verified = cli("verify", published.stdout.strip(), "--against", str(serving))
+    assert verified.returncode == 0, verified.stdout
+    assert verified.stdout.startswith("ready:")
+
+
+def test_cli_verify_reports_reason_and_exits_1(tmp_path, capsys):
+    directory = tmp_path / "step-1"
+    write_weights(directory)
+    assert main(["verify", str(directory)]) == 1
+    assert capsys.readouterr().out.strip() == "pending: no manifest.json yet"
+
+
+def test_cli_publish_into_existing_version_exits_1(tmp_path, capsys):
+    src = tmp_path / "out"
+    write_weights(src)
+    assert main(["publish", str(src), "--into", str(tmp_path / "root"), "--version", "v"]) == 0
+    assert main(["publish", str(src), "--into", str(tmp_path / "root"), "--version", "v"]) == 1
+    assert "already exists" in capsys.readouterr().err
