@@ -4,7 +4,6 @@ import subprocess
 import sys
 
 from conftest import write_weights
-
 from vllm_reloader.cli import main
 
 
@@ -16,7 +15,9 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_cli_config_error_exits_2_with_one_line_and_no_traceback(tmp_path):
     bad = tmp_path / "bad.toml"
-    bad.write_text('[source]\npath = "/x"\nwatch = true\n[engine]\nurl = "http://127.0.0.1:1"\n[state]\ndir = "/y"\n')
+    bad.write_text(
+        '[source]\npath = "/x"\nwatch = true\n[engine]\nurl = "http://127.0.0.1:1"\n[state]\ndir = "/y"\n'
+    )
     result = cli("run", "--config", str(bad))
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr

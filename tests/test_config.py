@@ -34,7 +34,7 @@ def test_config_is_frozen():
         (MINIMAL + "[gate]\nbogus = 1\n", "gate.bogus: unknown key"),
         (MINIMAL.replace('[state]\ndir = "/var/lib/vllm-reloader"\n', ""), "state: required key is missing"),
         (MINIMAL.replace('path = "/srv/checkpoints"', ""), "source.path: required key is missing"),
-        (MINIMAL + "[gate]\ndigest_threads = \"four\"\n", "gate.digest_threads"),
+        (MINIMAL + '[gate]\ndigest_threads = "four"\n', "gate.digest_threads"),
         (MINIMAL.replace("http://127.0.0.1:8000/", "127.0.0.1:8000"), "engine.url"),
         (MINIMAL + "[engine]\n", "not valid TOML"),
         (MINIMAL.replace('url = "http', 'pause_mode = "drop"\nurl = "http'), "engine.pause_mode"),

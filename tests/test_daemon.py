@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import structlog
-from conftest import MakeCheckpoint
-from fake_engine import FakeEngine, error, unreachable
 
+from fake_engine import FakeEngine, error, unreachable
 from vllm_reloader import config, state
 from vllm_reloader.daemon import Daemon
 from vllm_reloader.engine import RELOADING_PREFIX
@@ -157,7 +156,9 @@ def test_daemon_restores_last_good_after_interrupted_reload(start, root, tmp_pat
     assert engine.loaded == str(root / "step-1")
 
 
-def test_daemon_keeps_serving_when_state_cannot_be_written(start, root, tmp_path, make_checkpoint, monkeypatch):
+def test_daemon_keeps_serving_when_state_cannot_be_written(
+    start, root, tmp_path, make_checkpoint, monkeypatch
+):
     make_checkpoint("step-1", step=1, root=root)
     engine = FakeEngine(startup=str(root / "step-1"))
 

@@ -1,7 +1,7 @@
 import httpx
 import pytest
-from fake_engine import FakeEngine, error, unreachable
 
+from fake_engine import FakeEngine, error, unreachable
 from vllm_reloader.engine import RELOADING_PREFIX, ReloadFailed, Target, hot_swap
 from vllm_reloader.errors import EngineCallFailed, EngineUnavailable
 
@@ -11,7 +11,9 @@ OLD = Target("step-1", "/root/step-1")
 
 def swap(engine: FakeEngine, fallback: Target | None = OLD) -> tuple[dict[str, float], list[str]]:
     failures: list[str] = []
-    timings = hot_swap(engine.client(), NEW, fallback=fallback, on_resume_failed=lambda e: failures.append(str(e)))
+    timings = hot_swap(
+        engine.client(), NEW, fallback=fallback, on_resume_failed=lambda e: failures.append(str(e))
+    )
     return timings, failures
 
 

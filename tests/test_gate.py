@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TENSORS, MakeCheckpoint, write_manifest, write_weights
 
+from conftest import TENSORS, MakeCheckpoint, write_manifest, write_weights
 from vllm_reloader import gate, layout
 
 NO_GRACE = gate.GateOptions(manifest_grace=0)

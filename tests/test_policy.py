@@ -33,9 +33,7 @@ def test_policy_coalesces_to_newest_when_several_are_ready():
 
 def test_policy_skips_rejected_until_manifest_changes():
     candidates = cands(("step-2", 2), ("step-3", 3))
-    assert [c.name for c in to_try(candidates, serving=None, rejected={"step-3": "fp-step-3"})] == [
-        "step-2"
-    ]
+    assert [c.name for c in to_try(candidates, serving=None, rejected={"step-3": "fp-step-3"})] == ["step-2"]
     changed = {**candidates, "step-3": Candidate("step-3", 3, "new-fingerprint")}
     assert to_try(changed, serving=None, rejected={"step-3": "fp-step-3"})[0].name == "step-3"
 

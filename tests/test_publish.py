@@ -2,8 +2,8 @@ import json
 import os
 
 import pytest
-from conftest import write_weights
 
+from conftest import write_weights
 from vllm_reloader import gate
 from vllm_reloader.errors import PublishError
 from vllm_reloader.publish import publish

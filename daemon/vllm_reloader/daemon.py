@@ -181,8 +181,11 @@ class Daemon:
         )
         if version.startswith(RELOADING_PREFIX):
             self._restore_after_interrupted_reload(version)
-        else:
-            self._set_serving(serving)
+            return
+        if version == STARTUP_VERSION and serving.in_root:
+            # Name the startup weights, so clients and `weight_info` see which checkpoint it is.
+            self.client.set_weight_version(serving.version)
+        self._set_serving(serving)
 
     def _loaded_from_path(self, path: str) -> Loaded:
         directory = Path(path)

@@ -27,7 +27,7 @@ class Manifest(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     format_version: Literal[1]
-    version: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[^/\x00]+$")
+    version: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[^./\x00][^/\x00]*$")
     step: int | None = None
     files: tuple[ManifestFile, ...] = Field(min_length=1)
 

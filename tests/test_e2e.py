@@ -1,0 +1,201 @@
+"""End to end: the daemon as a subprocess driving a real CPU vLLM engine.
+
+The engine starts on ROOT/step-1 (weights "A"). Its first answers are the reference for a
+fresh engine on A. Checkpoints published later are copies of A or of B (other random
+weights, same layout), so after each reload the answers can be compared with a fresh
+engine's on the same bytes, and a bad checkpoint must leave the answers untouched.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import write_manifest
+from engine_fixtures import DaemonProcess, Engine, daemon_config, session_engine
+
+pytestmark = pytest.mark.engine
+
+_steps = itertools.count(2)
+
+
+def list_files(staged: Path, version: str, *, step: int) -> dict[str, object]:
+    """Write the manifest of a checkpoint staged under a dot-name it will be renamed from."""
+    return write_manifest(staged, step=step, overrides={"version": version})
+
+
+class World:
+    def __init__(self, engine: Engine, root: Path, staging: Path, daemon: DaemonProcess) -> None:
+        self.engine, self.root, self.staging, self.daemon = engine, root, staging, daemon
+        self.fresh_a = engine.complete()  # before any reload: a freshly started engine on A
+        self.expected = self.fresh_a
+        self.outputs_b: list[str] | None = None  # B's answers, once a test has loaded B
+        self.serving = "step-1"
+
+    def stage(self, weights: str) -> tuple[str, Path]:
+        """Copy checkpoint A or B into an ignored dot-dir of the root, ready to rename."""
+        name = f"step-{next(_steps)}"
+        target = self.root / f".stage-{name}"
+        shutil.copytree(self.staging / ("seed-1" if weights == "A" else "seed-2"), target)
+        return name, target
+
+    def publish(self, weights: str, *, step: int | None = None) -> str:
+        name, staged = self.stage(weights)
+        list_files(staged, name, step=int(name.split("-")[1]))
+        staged.rename(self.root / name)
+        return name
+
+    def assert_unchanged(self) -> None:
+        assert self.engine.healthy()
+        assert not self.engine.is_paused()
+        assert self.engine.weight_version() == self.serving
+        assert self.engine.complete() == self.expected
+
+
+@pytest.fixture(scope="session")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    for engine, root, staging in session_engine(tmp_path_factory):
+        base = root.parent
+        config = daemon_config(
+            base / "daemon.toml", root=root, engine_url=engine.url, state_dir=base / "state"
+        )
+        daemon = DaemonProcess(config)
+        try:
+            daemon.wait_for("engine.reconciled", version="step-1")
+            yield World(engine, root, staging, daemon)
+        finally:
+            assert daemon.stop() == 0
+            assert not engine.is_paused(), "the daemon must never leave the engine paused"
+
+
+def test_e2e_startup_checkpoint_is_recognised_not_reloaded(world: World):
+    assert not world.daemon.events("reload.started")
+    assert world.engine.weight_version() == "step-1"
+
+
+def test_e2e_publish_hot_reloads_and_matches_a_fresh_engine(world: World, tmp_path: Path):
+    from vllm_reloader.publish import publish
+
+    b = publish(world.staging / "seed-2", world.root, name=f"step-{next(_steps)}", step=99)
+    done = world.daemon.wait_for("reload.succeeded", version=b.name)
+    assert done["bytes"] and done["duration_ms"] and done["gb_per_s"] is not None
+    assert world.engine.weight_version() == b.name
+    outputs_b = world.engine.complete()
+    assert outputs_b != world.fresh_a, "B must answer differently from A, or this test proves nothing"
+    world.serving, world.expected, world.outputs_b = b.name, outputs_b, outputs_b
+
+    a_again = world.publish("A")
+    # Its step is lower than 99: the daemon must not move backwards to it.
+    time.sleep(1.0)
+    assert not world.daemon.events("reload.started", version=a_again)
+    a_newest = f"step-{next(_steps) + 100}"
+    shutil.copytree(world.staging / "seed-1", world.root / f".stage-{a_newest}")
+    list_files(world.root / f".stage-{a_newest}", a_newest, step=1000 + next(_steps))
+    (world.root / f".stage-{a_newest}").rename(world.root / a_newest)
+    world.daemon.wait_for("reload.succeeded", version=a_newest)
+    assert world.engine.weight_version() == a_newest
+    assert world.engine.complete() == world.fresh_a
+    world.serving, world.expected = a_newest, world.fresh_a
+
+
+def _next_step_above_serving(world: World) -> int:
+    manifest = json.loads((world.root / world.serving / "manifest.json").read_text())
+    return int(manifest.get("step") or 1) + next(_steps)
+
+
+def _bad_truncated(staged: Path) -> None:
+    shard = staged / "model.safetensors"
+    os.truncate(shard, shard.stat().st_size - 1000)
+
+
+def _bad_shape(staged: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(staged / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name] = torch.zeros(tensors[name].shape[0] * 2, tensors[name].shape[1], dtype=tensors[name].dtype)
+    save_file(tensors, staged / "model.safetensors", metadata={"format": "pt"})
+
+
+def _bad_stray_shard(staged: Path) -> None:
+    (staged / "optimizer.safetensors").write_bytes(b"\x00" * 64)
+
+
+BAD = {
+    "truncated shard": (_bad_truncated, "incomplete metadata"),
+    "shape mismatch": (_bad_shape, "tensor model.layers.0.mlp.up_proj.weight"),
+    "unlisted shard": (_bad_stray_shard, "optimizer.safetensors"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD))
+def test_e2e_bad_checkpoint_never_reaches_engine(world: World, kind: str):
+    damage, reason = BAD[kind]
+    name, staged = world.stage("B")
+    if kind == "unlisted shard":
+        list_files(staged, name, step=_next_step_above_serving(world))
+        damage(staged)
+    else:
+        damage(staged)  # then list the damaged sizes: only the headers can tell
+        list_files(staged, name, step=_next_step_above_serving(world))
+    staged.rename(world.root / name)
+    rejected = world.daemon.wait_for("checkpoint.rejected", name=name)
+    assert reason in str(rejected["reason"])
+    assert not world.daemon.events("reload.started", version=name)
+    world.assert_unchanged()
+
+
+@pytest.mark.parametrize("kind", ["digest mismatch", "path escape"])
+def test_e2e_bad_manifest_never_reaches_engine(world: World, kind: str):
+    name, staged = world.stage("B")
+    manifest = list_files(staged, name, step=_next_step_above_serving(world))
+    files = manifest["files"]
+    assert isinstance(files, list)
+    if kind == "digest mismatch":
+        next(f for f in files if f["path"] == "model.safetensors")["blake3"] = "0" * 64
+    else:
+        files.append({"path": f"../{world.serving}/model.safetensors", "size": 1})
+    (staged / "manifest.json").write_text(json.dumps(manifest))
+    staged.rename(world.root / name)
+    world.daemon.wait_for("checkpoint.rejected", name=name)
+    world.assert_unchanged()
+
+
+def test_e2e_slow_writer_waits_then_loads(world: World):
+    """Manifest first, files trickling in afterwards: pending until whole, then loaded."""
+    name = f"step-{next(_steps)}"
+    source = world.staging / "seed-2"
+    final = world.root / name
+    final.mkdir()
+    shutil.copy(source / "config.json", final / "config.json")
+    # The manifest describes the complete checkpoint before its files exist.
+    shutil.copytree(source, world.root / f".plan-{name}")
+    list_files(world.root / f".plan-{name}", name, step=_next_step_above_serving(world))
+    shutil.move(world.root / f".plan-{name}" / "manifest.json", final / "manifest.json")
+    world.daemon.wait_for("checkpoint.pending", name=name)
+    for path in sorted((world.root / f".plan-{name}").iterdir()):
+        data = path.read_bytes()
+        with (final / path.name).open("wb") as f:
+            for start in range(0, len(data), max(1, len(data) // 4)):
+                f.write(data[start : start + max(1, len(data) // 4)])
+                f.flush()
+                time.sleep(0.05)
+    shutil.rmtree(world.root / f".plan-{name}")
+    world.daemon.wait_for("reload.succeeded", version=name)
+    pendings = world.daemon.events("checkpoint.pending", name=name)
+    assert pendings, "it must have waited"
+    assert world.engine.weight_version() == name
+    outputs = world.engine.complete()
+    assert outputs != world.fresh_a
+    if world.outputs_b is not None:  # the same bytes as the B loaded earlier
+        assert outputs == world.outputs_b
+    world.serving, world.expected = name, outputs
+    world.assert_unchanged()
