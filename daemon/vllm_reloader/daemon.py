@@ -15,29 +15,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import gate, layout, log, policy, source
+from . import gate, layout, log, policy, reconcile, source
 from . import state as state_store
 from .config import Config
 from .engine import RELOADING_PREFIX, STARTUP_VERSION, EngineClient, ReloadFailed, Target, hot_swap
 from .errors import EngineCallFailed, EngineError, EngineUnavailable, StateError
-from .manifest import MANIFEST_NAME, ManifestInvalid, ManifestNotJSON
-from .manifest import parse as parse_manifest
+from .manifest import MANIFEST_NAME
 from .state import Loaded, Rejection, State
-
-MAX_MANIFEST_BYTES = 16 << 20
-
-
-def peek(directory: Path) -> policy.Candidate:
-    """Name, step and manifest fingerprint: enough to order candidates without gating them."""
-    try:
-        data = (directory / MANIFEST_NAME).read_bytes()[:MAX_MANIFEST_BYTES]
-    except OSError:
-        return policy.Candidate(directory.name, None, "")
-    try:
-        step = parse_manifest(data).step
-    except (ManifestNotJSON, ManifestInvalid):
-        step = None
-    return policy.Candidate(directory.name, step, gate.fingerprint_of(data))
 
 
 class Daemon:
@@ -155,7 +139,7 @@ class Daemon:
                 continue
             if name not in self.candidates:
                 self.log.info("checkpoint.seen", name=name, path=str(directory))
-            self.candidates[name] = peek(directory)
+            self.candidates[name] = reconcile.peek(directory)
 
     # -- engine: what is loaded, and loading ------------------------------------------------
 
@@ -164,16 +148,16 @@ class Daemon:
         version = self.client.weight_version()
         startup = self.client.startup_model()
         self._rescan()
-        known = self.state.serving
-        if version == STARTUP_VERSION or version.startswith(RELOADING_PREFIX):
-            serving = self._loaded_from_path(startup)
-        elif known is not None and known.version == version:
-            serving = known
-        else:
-            serving = self._loaded_by_version(version) or Loaded(
-                name=version, version=version, path=startup, since=time.time(), in_root=False
+        serving = reconcile.serving(
+            version, startup, known=self.state.serving, root=self.root, candidates=self.candidates
+        )
+        self.baseline = reconcile.baseline(startup, serving.path)
+        if self.baseline is None:
+            self.log.error(
+                "gate.no_baseline",
+                paths=[startup, serving.path],
+                reason="cannot read the serving checkpoint's headers: nothing will be loaded",
             )
-        self.baseline = self._read_baseline(startup, serving)
         self.reconciled = True
         self.backoff = self.config.engine.retry_initial
         self.log.info(
@@ -186,53 +170,6 @@ class Daemon:
             # Name the startup weights, so clients and `weight_info` see which checkpoint it is.
             self.client.set_weight_version(serving.version)
         self._set_serving(serving)
-
-    def _loaded_from_path(self, path: str) -> Loaded:
-        directory = Path(path)
-        in_root = directory.parent.resolve() == self.root.resolve() and directory.name in self.candidates
-        candidate = self.candidates.get(directory.name) if in_root else None
-        return Loaded(
-            name=directory.name,
-            version=self._version_of(directory) if in_root else STARTUP_VERSION,
-            path=path,
-            since=time.time(),
-            step=candidate.step if candidate else None,
-            in_root=in_root,
-        )
-
-    def _loaded_by_version(self, version: str) -> Loaded | None:
-        for name, candidate in self.candidates.items():
-            if self._version_of(self.root / name) == version:
-                return Loaded(
-                    name=name,
-                    version=version,
-                    path=str(self.root / name),
-                    since=time.time(),
-                    step=candidate.step,
-                )
-        return None
-
-    @staticmethod
-    def _version_of(directory: Path) -> str:
-        try:
-            return parse_manifest((directory / MANIFEST_NAME).read_bytes()).version or directory.name
-        except (OSError, ManifestNotJSON, ManifestInvalid):
-            return directory.name
-
-    def _read_baseline(self, startup: str, serving: Loaded) -> layout.Layout | None:
-        """The layout every candidate must match: reloading never changes it, so the startup
-        model's is as good as the serving one's, and it is readable even for old versions."""
-        for path in dict.fromkeys((startup, serving.path)):
-            try:
-                return layout.read_served_layout(Path(path))
-            except (OSError, layout.LayoutUnreadable):
-                continue
-        self.log.error(
-            "gate.no_baseline",
-            paths=[startup, serving.path],
-            reason="cannot read the serving checkpoint's headers: nothing will be loaded",
-        )
-        return None
 
     def _restore_after_interrupted_reload(self, marker: str) -> None:
         """The weights may be a mix of two checkpoints: load the last good one back."""

@@ -1,0 +1,86 @@
+"""What the engine is serving, worked out from what it reports and what the root holds.
+
+Pure functions of their inputs (the engine's weight version and startup model path, the
+state file, the candidates), so a restarted daemon's judgement is testable without one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from . import gate, layout, policy
+from .engine import RELOADING_PREFIX, STARTUP_VERSION
+from .manifest import MANIFEST_NAME, ManifestInvalid, ManifestNotJSON
+from .manifest import parse as parse_manifest
+from .state import Loaded
+
+MAX_MANIFEST_BYTES = 16 << 20
+
+
+def peek(directory: Path) -> policy.Candidate:
+    """Name, step and manifest fingerprint: enough to order candidates without gating them."""
+    try:
+        data = (directory / MANIFEST_NAME).read_bytes()[:MAX_MANIFEST_BYTES]
+    except OSError:
+        return policy.Candidate(directory.name, None, "")
+    try:
+        step = parse_manifest(data).step
+    except (ManifestNotJSON, ManifestInvalid):
+        step = None
+    return policy.Candidate(directory.name, step, gate.fingerprint_of(data))
+
+
+def version_of(directory: Path) -> str:
+    try:
+        return parse_manifest((directory / MANIFEST_NAME).read_bytes()).version or directory.name
+    except (OSError, ManifestNotJSON, ManifestInvalid):
+        return directory.name
+
+
+def serving(
+    engine_version: str,
+    startup: str,
+    *,
+    known: Loaded | None,
+    root: Path,
+    candidates: Mapping[str, policy.Candidate],
+) -> Loaded:
+    """The checkpoint the engine holds now.
+
+    `default` (never reloaded, e.g. the engine restarted) and `reloading:…` (a reload was cut
+    short) both mean the startup model's layout; the caller decides what to load next.
+    """
+    now = time.time()
+    if engine_version == STARTUP_VERSION or engine_version.startswith(RELOADING_PREFIX):
+        directory = Path(startup)
+        in_root = directory.parent.resolve() == root.resolve() and directory.name in candidates
+        candidate = candidates.get(directory.name) if in_root else None
+        return Loaded(
+            name=directory.name,
+            version=version_of(directory) if in_root else STARTUP_VERSION,
+            path=startup,
+            since=now,
+            step=candidate.step if candidate else None,
+            in_root=in_root,
+        )
+    if known is not None and known.version == engine_version:
+        return known
+    for name, candidate in candidates.items():
+        if version_of(root / name) == engine_version:
+            return Loaded(
+                name=name, version=engine_version, path=str(root / name), since=now, step=candidate.step
+            )
+    return Loaded(name=engine_version, version=engine_version, path=startup, since=now, in_root=False)
+
+
+def baseline(*paths: str) -> layout.Layout | None:
+    """The layout every candidate must match. Reloading never changes it, so the startup
+    model's is as good as the serving one's, and it stays readable after old versions go."""
+    for path in dict.fromkeys(paths):
+        try:
+            return layout.read_served_layout(Path(path))
+        except (OSError, layout.LayoutUnreadable):
+            continue
+    return None
