@@ -130,13 +130,13 @@ def stop_process(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) ->
 class DaemonProcess:
     """`vllm-reloader run` as a subprocess, its JSON log lines collected as they come."""
 
-    def __init__(self, config_path: Path) -> None:
+    def __init__(self, config_path: Path, *args: str) -> None:
         self.lines: list[dict[str, object]] = []
         self.raw: list[str] = []
         self._new: queue.SimpleQueue[None] = queue.SimpleQueue()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "vllm_reloader", "run", "--config", str(config_path)],
+            [sys.executable, "-m", "vllm_reloader", "run", "--config", str(config_path), *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
         )  # fmt: skip
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -146,6 +146,8 @@ class DaemonProcess:
         assert self.process.stdout is not None
         for line in self.process.stdout:
             self.raw.append(line)
+            if line.startswith("<") and ">" in line[:4]:  # journald priority prefix
+                line = line[line.index(">") + 1 :]
             try:
                 self.lines.append(json.loads(line))
             except ValueError:
@@ -166,7 +168,9 @@ class DaemonProcess:
         raise AssertionError(f"no {event} {fields} (daemon rc={self.process.poll()}):\n{tail}")
 
     def stop(self) -> int:
-        self.process.send_signal(signal.SIGTERM)
+        """SIGTERM (if still running), wait, and close the pipe; returns the exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
         code = self.process.wait(timeout=60)
         self._reader.join(timeout=10)
         assert self.process.stdout is not None

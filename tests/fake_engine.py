@@ -67,3 +67,41 @@ def unreachable() -> Callable[[], httpx.Response]:
         raise httpx.ConnectError("connection refused")
 
     return fail
+
+
+class FakeEngineServer:
+    """The scripted engine behind a real HTTP socket on 127.0.0.1, for daemon subprocesses."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        import http.server
+        import threading
+
+        fake = engine
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                length = int(self.headers.get("content-length") or 0)
+                request = httpx.Request(
+                    self.command, f"http://engine.test{self.path}", content=self.rfile.read(length)
+                )
+                response = fake.handle(request)
+                self.send_response(response.status_code)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(response.content)))
+                self.end_headers()
+                self.wfile.write(response.content)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *_args: object) -> None:
+                pass
+
+        self.engine = engine
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -171,7 +171,10 @@ def test_daemon_keeps_serving_when_state_cannot_be_written(
     make_checkpoint("step-2", step=2, root=root)
     running.wait_for("reload.succeeded", version="step-2")
     assert running.wait_for("state.write_failed")["reason"].endswith("No space left on device")
-    assert running.daemon.state.serving is not None and running.daemon.state.serving.version == "step-2"
+    assert (
+        running.daemon.reloader.state.serving is not None
+        and running.daemon.reloader.state.serving.version == "step-2"
+    )
 
 
 def test_daemon_finds_checkpoint_by_rescan_when_events_are_lost(start, root, make_checkpoint, monkeypatch):

@@ -24,6 +24,11 @@ def _parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="run the daemon in the foreground")
     run.add_argument("--config", required=True, type=Path, metavar="FILE")
+    run.add_argument(
+        "--log-priority-prefix",
+        action="store_true",
+        help="prefix each log line with <N> for journald (as the systemd unit does)",
+    )
 
     publish = commands.add_parser("publish", help="place a checkpoint into a root atomically")
     publish.add_argument("src", type=Path, metavar="SRC")
@@ -45,12 +50,14 @@ def _fail(code: int, message: str) -> int:
     return code
 
 
-def _run(config_path: Path) -> int:
+def _run(config_path: Path, priority_prefix: bool) -> int:
     from .daemon import Daemon  # imports watchdog and httpx only when running
 
     cfg = config_mod.load(config_path)
-    log.configure(cfg.log.level, cfg.log.format)
-    daemon = Daemon(cfg)
+    if priority_prefix:
+        cfg = cfg.model_copy(update={"log": cfg.log.model_copy(update={"priority_prefix": True})})
+    log.configure(cfg.log.level, cfg.log.format, priority_prefix=cfg.log.priority_prefix)
+    daemon = Daemon(cfg, config_path=config_path)
     daemon.install_signal_handlers()
     return daemon.run()
 
@@ -83,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "run":
-            return _run(args.config)
+            return _run(args.config, args.log_priority_prefix)
         if args.command == "publish":
             return _publish(args)
         return _verify(args.dir, args.against)

@@ -83,6 +83,8 @@ class StateConfig(_Section):
 class LogConfig(_Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["auto", "json", "console"] = "auto"
+    priority_prefix: bool = False
+    """`<N>` before each line for journald (the unit turns it on with --log-priority-prefix)."""
 
 
 class Config(_Section):

@@ -12,8 +12,24 @@ from typing import Any, TextIO
 
 import structlog
 
+# syslog priorities, which journald reads from a `<N>` line prefix (sd-daemon(3)).
+PRIORITY = {"debug": 7, "info": 6, "warning": 4, "warn": 4, "error": 3, "critical": 2, "exception": 3}
 
-def configure(level: str = "info", fmt: str = "auto", stream: TextIO | None = None) -> None:
+
+def _priority_prefix(_logger: Any, method: str, line: Any) -> str:
+    """Runs after the renderer, so it receives the rendered line, not the event dict."""
+    return f"<{PRIORITY.get(method, 6)}>{line}"
+
+
+def configure(
+    level: str = "info",
+    fmt: str = "auto",
+    stream: TextIO | None = None,
+    *,
+    priority_prefix: bool = False,
+) -> None:
+    """`priority_prefix` puts `<N>` before each line, so `journalctl -p warning` filters by
+    level while `journalctl -o cat` still shows the JSON."""
     stream = stream or sys.stdout
     as_json = fmt == "json" or (fmt == "auto" and not stream.isatty())
     renderer: Any = structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer()
@@ -24,6 +40,7 @@ def configure(level: str = "info", fmt: str = "auto", stream: TextIO | None = No
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
             renderer,
+            *([_priority_prefix] if priority_prefix else []),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
         logger_factory=structlog.PrintLoggerFactory(stream),

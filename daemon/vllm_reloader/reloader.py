@@ -1,0 +1,316 @@
+"""The reloader: what is known about candidates and the engine, and what to do next.
+
+It owns the candidates, the state file and the reload worker. The daemon's loop feeds it
+(filesystem changes, reload outcomes) and calls `tick`; it never blocks on the engine
+for longer than one quick call, because reloads run on the worker.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from . import gate, layout, log, policy, reconcile, source
+from . import state as state_store
+from .config import Config
+from .engine import RELOADING_PREFIX, STARTUP_VERSION, EngineClient, ReloadFailed, Target
+from .errors import EngineCallFailed, EngineError, EngineUnavailable, StateError
+from .manifest import MANIFEST_NAME
+from .state import Loaded, Rejection, State
+from .worker import Job, Outcome, ReloadWorker
+
+
+class Reloader:
+    def __init__(self, config: Config, client: EngineClient, post: Callable[[tuple[str, Any]], None]) -> None:
+        self.config = config
+        self.client = client
+        self.log = log.get()
+        self.state: State = state_store.load(config.state.dir)
+        self.candidates: dict[str, policy.Candidate] = {}
+        self.last_report: dict[str, tuple[str, str]] = {}
+        self.baseline: layout.Layout | None = None
+        self.reconciled = False
+        self.resume_owed = False
+        self.backoff = config.engine.retry_initial
+        self.engine_retry_at = 0.0
+        self.next_rescan = 0.0
+        self.next_recheck: float | None = None
+        self.dirty: set[str] = set()
+        self.in_flight: Job | None = None
+        self.last_scan = 0.0
+        self.worker = ReloadWorker(lambda outcome: post(("reloaded", outcome)))
+
+    @property
+    def root(self) -> Path:
+        return self.config.source.path
+
+    def next_deadline(self) -> float:
+        deadlines = [self.next_rescan]
+        if self.next_recheck is not None:
+            deadlines.append(self.next_recheck)
+        if not self.reconciled or self.resume_owed:
+            deadlines.append(self.engine_retry_at)
+        return min(deadlines)
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if self.resume_owed and now >= self.engine_retry_at:
+            self._retry_resume()
+        if now >= self.next_rescan:
+            self._rescan()
+            self.last_scan = time.time()
+            self.next_rescan = now + self.config.source.rescan_interval
+        self._refresh(self.dirty)
+        self.dirty = set()
+        if not self.reconciled:
+            if now < self.engine_retry_at:
+                return
+            try:
+                self._reconcile()
+            except EngineError as exc:
+                self._engine_down(exc)
+                return
+        self._advance()
+
+    def _rescan(self) -> None:
+        names = source.list_candidates(self.root, self.config.source.ignore)
+        self._refresh(names | set(self.candidates))
+
+    def _refresh(self, names: set[str]) -> None:
+        for name in names:
+            directory = self.root / name
+            if not directory.is_dir():
+                self.candidates.pop(name, None)
+                self.last_report.pop(name, None)
+                continue
+            if name not in self.candidates:
+                self.log.info("checkpoint.seen", name=name, path=str(directory))
+            self.candidates[name] = reconcile.peek(directory)
+
+    # -- engine: what is loaded, and loading ------------------------------------------------
+
+    def _reconcile(self) -> None:
+        """Learn what the engine serves, so nothing is reloaded needlessly after a restart."""
+        version = self.client.weight_version()
+        startup = self.client.startup_model()
+        self._rescan()
+        serving = reconcile.serving(
+            version, startup, known=self.state.serving, root=self.root, candidates=self.candidates
+        )
+        self.baseline = reconcile.baseline(startup, serving.path)
+        if self.baseline is None:
+            self.log.error(
+                "gate.no_baseline",
+                paths=[startup, serving.path],
+                reason="cannot read the serving checkpoint's headers: nothing will be loaded",
+            )
+        self.reconciled = True
+        self.backoff = self.config.engine.retry_initial
+        self.log.info(
+            "engine.reconciled", version=serving.version, path=serving.path, engine_reported=version
+        )
+        if version.startswith(RELOADING_PREFIX):
+            self._restore_after_interrupted_reload(version)
+            return
+        if version == STARTUP_VERSION and serving.in_root:
+            # Name the startup weights, so clients and `weight_info` see which checkpoint it is.
+            self.client.set_weight_version(serving.version)
+        self._set_serving(serving)
+
+    def _restore_after_interrupted_reload(self, marker: str) -> None:
+        """The weights may be a mix of two checkpoints: load the last good one back."""
+        good = self.state.last_good
+        self.log.warning(
+            "engine.weights_unknown", engine_reported=marker, restoring=good.version if good else None
+        )
+        self._set_serving(None)
+        if good is not None:
+            self._load(policy.Candidate(good.name, good.step, ""), good.version, good.path, 0)
+
+    def _advance(self) -> None:
+        if self.baseline is None or self.in_flight is not None:
+            return
+        serving = self.state.serving
+        key = policy.order_key(serving.name, serving.step) if serving and serving.in_root else None
+        rejected = {name: r.fingerprint for name, r in self.state.rejected.items()}
+        options = gate.GateOptions(
+            verify_digests=self.config.gate.verify_digests,
+            digest_threads=self.config.gate.digest_threads,
+            manifest_grace=self.config.source.manifest_grace,
+        )
+        self.next_recheck = None
+        worth_trying = policy.to_try(self.candidates, serving=key, rejected=rejected)
+        names = {c.name for c in worth_trying}
+        self.last_report = {n: r for n, r in self.last_report.items() if n in names}
+        for candidate in worth_trying:
+            directory = self.root / candidate.name
+            started = time.perf_counter()
+            verdict = gate.check(directory, serving=self.baseline, options=options)
+            gate_ms = round((time.perf_counter() - started) * 1000, 3)
+            if verdict.status == "pending":
+                self._report_pending(candidate.name, verdict.reason)
+                self.next_recheck = time.monotonic() + self.config.source.pending_recheck_interval
+            elif verdict.status == "rejected":
+                self.last_report.pop(candidate.name, None)
+                self._reject(
+                    candidate.name,
+                    verdict.manifest.version if verdict.manifest else None,
+                    verdict.reason,
+                    verdict.fingerprint,
+                    **verdict.details,
+                )
+            else:
+                manifest = verdict.manifest
+                assert manifest is not None
+                version = manifest.version or candidate.name
+                self.log.info(
+                    "checkpoint.ready",
+                    name=candidate.name,
+                    version=version,
+                    bytes=verdict.bytes,
+                    gate_ms=gate_ms,
+                )
+                self.last_report.pop(candidate.name, None)
+                ready = policy.Candidate(candidate.name, manifest.step, verdict.fingerprint)
+                self._load(ready, version, str(directory), verdict.bytes)
+                return
+
+    def _load(self, candidate: policy.Candidate, version: str, path: str, size: int) -> None:
+        serving = self.state.serving
+        fallback = self.state.last_good or serving
+        self.log.info(
+            "reload.started",
+            version=version,
+            path=path,
+            bytes=size,
+            from_version=serving.version if serving else None,
+            detect_ms=_detection_lag_ms(Path(path)),
+        )
+        self.in_flight = Job(
+            client=self.client,
+            candidate=candidate,
+            target=Target(version, path),
+            fallback=Target(fallback.version, fallback.path) if fallback else None,
+            size=size,
+        )
+        self.worker.submit(self.in_flight)
+
+    def finished(self, outcome: Outcome) -> None:
+        """A reload came back from the worker: record it, and what the engine now holds."""
+        self.in_flight = None
+        job, (version, path) = outcome.job, (outcome.job.target.version, outcome.job.target.path)
+        if outcome.resume_error is not None:
+            self.resume_owed = True
+            self.log.error("engine.resume_failed", reason=str(outcome.resume_error))
+        error = outcome.error
+        if isinstance(error, ReloadFailed):
+            self.log.error(
+                "reload.failed", version=version, path=path, reason=str(error), restored=error.restored
+            )
+            if error.engine_up:
+                self._reject(
+                    job.candidate.name, version, f"reload_weights failed: {error}", job.candidate.fingerprint
+                )
+            if not error.restored:
+                self._engine_down(error)
+            return
+        if error is not None:
+            self.log.error("reload.failed", version=version, path=path, reason=str(error), restored=False)
+            self._engine_down(error)
+            return
+        loaded = Loaded(
+            name=job.candidate.name, version=version, path=path, since=time.time(), step=job.candidate.step
+        )
+        self._set_serving(loaded, last_good=loaded)
+        self.log.info(
+            "reload.succeeded",
+            version=version,
+            path=path,
+            bytes=job.size,
+            duration_ms=round(outcome.seconds * 1000, 3),
+            gb_per_s=round(job.size / outcome.seconds / 1e9, 3) if outcome.seconds > 0 else None,
+            **(outcome.timings or {}),
+        )
+
+    def pending_names(self) -> list[str]:
+        return sorted(name for name, (status, _) in self.last_report.items() if status == "pending")
+
+    def status_line(self) -> str:
+        """One line for systemd's STATUS=: what is served, since when, what waits."""
+        serving = self.state.serving
+        parts = [
+            f"serving {serving.version} since {time.strftime('%H:%M:%S', time.localtime(serving.since))}"
+            if serving
+            else "waiting for the engine"
+        ]
+        if self.in_flight is not None:
+            parts.append(f"reloading {self.in_flight.target.version}")
+        parts.append(f"{len(self.pending_names())} pending")
+        if self.last_scan:
+            parts.append(f"last scan {time.time() - self.last_scan:.0f} s ago")
+        return "; ".join(parts)
+
+    def close(self) -> None:
+        self.worker.close()
+        if self.resume_owed:
+            self._retry_resume()
+        self.client.close()
+
+    def _set_serving(self, serving: Loaded | None, *, last_good: Loaded | None = None) -> None:
+        update: dict[str, Any] = {"serving": serving}
+        if last_good is not None:
+            update["last_good"] = last_good
+        self._save(self.state.model_copy(update=update))
+
+    def _reject(self, name: str, version: str | None, reason: str, fingerprint: str, **details: Any) -> None:
+        version = version or name
+        self.log.warning("checkpoint.rejected", name=name, version=version, reason=reason, **details)
+        rejected = {
+            **self.state.rejected,
+            name: Rejection(version=version, reason=reason, fingerprint=fingerprint, at=time.time()),
+        }
+        self._save(self.state.model_copy(update={"rejected": rejected}))
+
+    def _report_pending(self, name: str, reason: str) -> None:
+        if self.last_report.get(name) != ("pending", reason):
+            self.last_report[name] = ("pending", reason)
+            self.log.info("checkpoint.pending", name=name, reason=reason)
+
+    def _save(self, new: State) -> None:
+        """Keep serving when the state disk fails: the engine, not this file, is the truth."""
+        self.state = new
+        try:
+            state_store.save(self.config.state.dir, new)
+        except StateError as exc:
+            self.log.error("state.write_failed", reason=str(exc))
+
+    def _engine_down(self, exc: EngineError) -> None:
+        self.reconciled = False
+        self.engine_retry_at = time.monotonic() + self.backoff
+        self.log.warning(
+            "engine.unreachable" if isinstance(exc, EngineUnavailable) else "engine.error",
+            url=self.config.engine.url,
+            reason=str(exc),
+            retry_in_s=self.backoff,
+        )
+        self.backoff = min(self.backoff * 2, self.config.engine.retry_max)
+
+    def _retry_resume(self) -> None:
+        try:
+            self.client.resume()
+        except (EngineUnavailable, EngineCallFailed) as exc:
+            self._engine_down(exc)
+            return
+        self.resume_owed = False
+        self.log.info("engine.resumed")
+
+
+def _detection_lag_ms(directory: Path) -> float | None:
+    try:
+        mtime = os.stat(directory / MANIFEST_NAME).st_mtime
+    except OSError:
+        return None
+    return round((time.time() - mtime) * 1000, 3)

@@ -1,0 +1,167 @@
+"""The daemon as systemd runs it: a real subprocess, a real NOTIFY_SOCKET, real signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import MakeCheckpoint
+from engine_fixtures import DaemonProcess, daemon_config
+from fake_engine import FakeEngine, FakeEngineServer, unreachable
+
+
+class NotifySocket:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.2)
+        self.messages: list[list[str]] = []
+
+    def wait_for(self, field: str, timeout: float = 20.0) -> list[str]:
+        """The first datagram not yet consumed that holds `field` (KEY=value or KEY=)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                fields = self.sock.recv(65536).decode().split("\n")
+            except TimeoutError:
+                continue
+            self.messages.append(fields)
+            if any(f == field or (field.endswith("=") and f.startswith(field)) for f in fields):
+                return fields
+        raise AssertionError(f"no {field} in {self.messages}")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def service(tmp_path: Path, make_checkpoint: MakeCheckpoint) -> Iterator[tuple]:
+    root = tmp_path / "root"
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    server = FakeEngineServer(engine)
+    notify = NotifySocket(tmp_path / "notify.sock")
+    config = daemon_config(
+        tmp_path / "daemon.toml", root=root, engine_url=server.url, state_dir=tmp_path / "s"
+    )
+    started: list[DaemonProcess] = []
+
+    def start(args: tuple[str, ...] = (), **env: str) -> DaemonProcess:
+        os.environ.update({"NOTIFY_SOCKET": str(notify.path), **env})
+        try:
+            daemon = DaemonProcess(config, *args)
+        finally:
+            for key in ("NOTIFY_SOCKET", *env):
+                os.environ.pop(key, None)
+        started.append(daemon)
+        return daemon
+
+    yield start, engine, notify, config, root
+    for daemon in started:
+        daemon.stop()
+    notify.close()
+    server.close()
+
+
+def test_service_ready_status_and_watchdog_over_notify_socket(service):
+    start, _engine, notify, _config, _root = service
+    daemon = start(WATCHDOG_USEC="400000")
+    ready = notify.wait_for("READY=1")
+    assert any(f.startswith("STATUS=serving step-1 since") for f in ready)
+    notify.wait_for("WATCHDOG=1")
+    notify.wait_for("WATCHDOG=1")
+    assert daemon.stop() == 0
+
+
+def test_service_extends_start_timeout_until_engine_answers(service):
+    start, engine, notify, _config, _root = service
+    engine.fail["/weight_info"] = unreachable()
+    start()
+    notify.wait_for("EXTEND_TIMEOUT_USEC=")
+    assert not any("READY=1" in m for m in notify.messages)
+    del engine.fail["/weight_info"]
+    notify.wait_for("READY=1")
+
+
+def test_service_sighup_swaps_valid_config_and_keeps_old_on_invalid(service):
+    start, _engine, notify, config, _root = service
+    daemon = start()
+    notify.wait_for("READY=1")
+    good = config.read_text()
+    config.write_text(good.replace("retry_max = 2.0", "retry_max = 3.0"))
+    daemon.process.send_signal(signal.SIGHUP)
+    reloading = notify.wait_for("RELOADING=1")
+    assert any(f.startswith("MONOTONIC_USEC=") for f in reloading)
+    notify.wait_for("READY=1")
+    daemon.wait_for("config.reloaded")
+
+    config.write_text(good + "[engine2]\n")
+    daemon.process.send_signal(signal.SIGHUP)
+    invalid = daemon.wait_for("config.invalid")
+    assert "engine2: unknown key" in str(invalid["reason"])
+    notify.wait_for("READY=1")
+    assert daemon.process.poll() is None
+    assert daemon.stop() == 0
+
+
+def test_service_sigterm_notifies_stopping_and_exits_zero_with_engine_resumed(service):
+    start, engine, notify, _config, _root = service
+    daemon = start()
+    notify.wait_for("READY=1")
+    daemon.process.send_signal(signal.SIGTERM)
+    notify.wait_for("STOPPING=1")
+    assert daemon.process.wait(timeout=30) == 0
+    assert not engine.paused
+    daemon.stop()
+
+
+def test_service_sigterm_lets_in_flight_reload_finish(service, make_checkpoint):
+    start, engine, notify, _config, root = service
+    slow = threading_event_delay(engine, f"reload:{root / 'step-2'}", seconds=1.0)
+    daemon = start()
+    notify.wait_for("READY=1")
+    make_checkpoint("step-2", step=2, root=root)
+    daemon.wait_for("reload.started", version="step-2")
+    daemon.process.send_signal(signal.SIGTERM)
+    assert daemon.process.wait(timeout=30) == 0
+    assert slow.done, "the reload was allowed to finish"
+    assert engine.version == "step-2" and not engine.paused
+    daemon.stop()
+    daemon.wait_for("reload.succeeded", version="step-2")
+
+
+def test_service_log_priority_prefix_for_journald(service):
+    start, engine, _notify, _config, _root = service
+    engine.fail["/weight_info"] = unreachable()
+    daemon = start(args=("--log-priority-prefix",))
+    daemon.wait_for("engine.unreachable")
+    del engine.fail["/weight_info"]
+    daemon.wait_for("engine.reconciled")
+    assert daemon.stop() == 0
+    prefixes = {line[:3] for line in daemon.raw if line.startswith("<")}
+    assert {"<4>", "<6>"} <= prefixes
+    assert all(line.startswith(("<4>{", "<6>{", "<3>{")) for line in daemon.raw)
+
+
+class threading_event_delay:
+    """Make one fake endpoint slow, and record that it ran to the end."""
+
+    def __init__(self, engine: FakeEngine, key: str, *, seconds: float) -> None:
+        self.done = False
+
+        def slow():
+            time.sleep(seconds)
+            self.done = True
+            engine.loaded = key.removeprefix("reload:")
+            import httpx
+
+            return httpx.Response(200, json={"results": [None]})
+
+        engine.fail[key] = slow
