@@ -43,10 +43,15 @@ def root(tmp_path: Path) -> Path:
 def start(tmp_path: Path, root: Path) -> Iterator[Callable[..., Running]]:
     threads: list[tuple[Daemon, threading.Thread]] = []
 
-    def run(engine: FakeEngine, **source: object) -> Running:
+    def run(engine: FakeEngine, engine_check_interval: float = 5.0, **source: object) -> Running:
         cfg = config.Config(
             source=config.SourceConfig(path=root, pending_recheck_interval=0.05, **source),  # type: ignore[arg-type]
-            engine=config.EngineConfig(url="http://engine.test", retry_initial=0.05, retry_max=0.2),
+            engine=config.EngineConfig(
+                url="http://engine.test",
+                retry_initial=0.05,
+                retry_max=0.2,
+                check_interval=engine_check_interval,
+            ),
             state=config.StateConfig(dir=tmp_path / "state"),
         )
         daemon = Daemon(cfg, client=engine.client(retry_initial=0.05))
@@ -185,3 +190,27 @@ def test_daemon_finds_checkpoint_by_rescan_when_events_are_lost(start, root, mak
     running.daemon.watcher.stop()  # as if the inotify queue overflowed: no more events
     make_checkpoint("step-2", step=2, root=root)
     running.wait_for("reload.succeeded", version="step-2", timeout=5)
+
+
+def test_daemon_brings_restarted_engine_back_to_current_version(start, root, make_checkpoint):
+    make_checkpoint("step-1", step=1, root=root)
+    make_checkpoint("step-2", step=2, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    running = start(engine, engine_check_interval=0.1)
+    running.wait_for("reload.succeeded", version="step-2")
+    engine.version, engine.loaded = "default", engine.startup  # systemd restarted it
+    running.wait_for("engine.changed", engine_reported="default")
+    deadline = time.monotonic() + 10
+    while len(running.events("reload.succeeded", version="step-2")) < 2:
+        assert time.monotonic() < deadline, "step-2 was not reloaded into the restarted engine"
+        time.sleep(0.05)
+    assert engine.loaded == str(root / "step-2") and engine.version == "step-2"
+
+
+def test_daemon_resumes_engine_left_paused_by_a_killed_daemon(start, root, make_checkpoint):
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    engine.paused = True
+    running = start(engine)
+    running.wait_for("engine.resumed")
+    assert not engine.paused

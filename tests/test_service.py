@@ -165,3 +165,42 @@ class threading_event_delay:
             return httpx.Response(200, json={"results": [None]})
 
         engine.fail[key] = slow
+
+
+def test_service_sigkill_then_restart_does_not_reload_needlessly(service, make_checkpoint):
+    start, engine, notify, _config, root = service
+    first = start()
+    make_checkpoint("step-2", step=2, root=root)
+    first.wait_for("reload.succeeded", version="step-2")
+    first.process.send_signal(signal.SIGKILL)
+    first.stop()
+    reloads = [c for c in engine.calls if c.startswith("reload:")]
+    second = start()
+    second.wait_for("engine.reconciled", version="step-2")
+    notify.wait_for("READY=1")
+    time.sleep(0.5)
+    assert [c for c in engine.calls if c.startswith("reload:")] == reloads
+    assert second.stop() == 0
+
+
+def test_service_sigkill_mid_reload_then_restart_converges(service, make_checkpoint):
+    start, engine, _notify, _config, root = service
+    slow = threading_event_delay(engine, f"reload:{root / 'step-2'}", seconds=1.0)
+    first = start()
+    first.wait_for("engine.reconciled")
+    make_checkpoint("step-2", step=2, root=root)
+    deadline = time.monotonic() + 10
+    while f"reload:{root / 'step-2'}" not in engine.calls:  # paused, weights being written
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    first.process.send_signal(signal.SIGKILL)
+    first.stop()
+    assert engine.paused, "killed after pausing: the engine is left paused"
+    while not slow.done:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert engine.version == "reloading:step-2"
+    second = start()
+    second.wait_for("reload.succeeded", version="step-2")
+    assert engine.version == "step-2" and not engine.paused
+    assert second.stop() == 0

@@ -62,6 +62,8 @@ class EngineConfig(_Section):
     reload_timeout: float = Field(600.0, gt=0)
     retry_initial: float = Field(0.5, gt=0)
     retry_max: float = Field(30.0, gt=0)
+    check_interval: float = Field(5.0, gt=0)
+    """How often an idle daemon asks the engine for its weight version, to notice a restart."""
 
     @field_validator("url")
     @classmethod

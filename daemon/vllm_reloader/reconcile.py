@@ -49,11 +49,14 @@ def serving(
 ) -> Loaded:
     """The checkpoint the engine holds now.
 
-    `default` (never reloaded, e.g. the engine restarted) and `reloading:…` (a reload was cut
-    short) both mean the startup model's layout; the caller decides what to load next.
+    `default` means never reloaded (e.g. the engine restarted): its startup model.
+    `reloading:…` means a reload was cut short: the weights may be a mix of two checkpoints.
     """
     now = time.time()
-    if engine_version == STARTUP_VERSION or engine_version.startswith(RELOADING_PREFIX):
+    if engine_version.startswith(RELOADING_PREFIX):
+        # Weights of unknown mix: no position in the order, so any good candidate replaces them.
+        return Loaded(name=engine_version, version=engine_version, path=startup, since=now, in_root=False)
+    if engine_version == STARTUP_VERSION:
         directory = Path(startup)
         in_root = directory.parent.resolve() == root.resolve() and directory.name in candidates
         candidate = candidates.get(directory.name) if in_root else None

@@ -38,6 +38,7 @@ class Reloader:
         self.engine_retry_at = 0.0
         self.next_rescan = 0.0
         self.next_recheck: float | None = None
+        self.next_engine_check = 0.0
         self.dirty: set[str] = set()
         self.in_flight: Job | None = None
         self.last_scan = 0.0
@@ -49,6 +50,8 @@ class Reloader:
 
     def next_deadline(self) -> float:
         deadlines = [self.next_rescan]
+        if self.reconciled and self.in_flight is None:
+            deadlines.append(self.next_engine_check)
         if self.next_recheck is not None:
             deadlines.append(self.next_recheck)
         if not self.reconciled or self.resume_owed:
@@ -65,15 +68,28 @@ class Reloader:
             self.next_rescan = now + self.config.source.rescan_interval
         self._refresh(self.dirty)
         self.dirty = set()
-        if not self.reconciled:
-            if now < self.engine_retry_at:
-                return
-            try:
+        try:
+            if self.reconciled and self.in_flight is None and now >= self.next_engine_check:
+                self._check_engine()
+            if not self.reconciled:
+                if now < self.engine_retry_at:
+                    return
                 self._reconcile()
-            except EngineError as exc:
-                self._engine_down(exc)
-                return
+        except EngineError as exc:
+            self._engine_down(exc)
+            return
+        self.next_engine_check = now + self.config.engine.check_interval
         self._advance()
+
+    def _check_engine(self) -> None:
+        """Notice an engine that restarted (or was reloaded by someone else) while we idled."""
+        version = self.client.weight_version()
+        serving = self.state.serving
+        if serving is None or version != serving.version:
+            self.log.warning(
+                "engine.changed", engine_reported=version, expected=serving.version if serving else None
+            )
+            self.reconciled = False
 
     def _rescan(self) -> None:
         names = source.list_candidates(self.root, self.config.source.ignore)
@@ -112,9 +128,13 @@ class Reloader:
         self.log.info(
             "engine.reconciled", version=serving.version, path=serving.path, engine_reported=version
         )
-        if version.startswith(RELOADING_PREFIX):
-            self._restore_after_interrupted_reload(version)
+        if version.startswith(RELOADING_PREFIX) and self.state.last_good is not None:
+            self._restore_after_interrupted_reload(version)  # resumes when done
             return
+        if self.client.is_paused():
+            # Only a daemon killed mid-reload leaves it so: nothing else pauses this engine.
+            self.client.resume()
+            self.log.warning("engine.resumed", reason="found paused at reconcile")
         if version == STARTUP_VERSION and serving.in_root:
             # Name the startup weights, so clients and `weight_info` see which checkpoint it is.
             self.client.set_weight_version(serving.version)
@@ -123,12 +143,10 @@ class Reloader:
     def _restore_after_interrupted_reload(self, marker: str) -> None:
         """The weights may be a mix of two checkpoints: load the last good one back."""
         good = self.state.last_good
-        self.log.warning(
-            "engine.weights_unknown", engine_reported=marker, restoring=good.version if good else None
-        )
+        assert good is not None
+        self.log.warning("engine.weights_unknown", engine_reported=marker, restoring=good.version)
         self._set_serving(None)
-        if good is not None:
-            self._load(policy.Candidate(good.name, good.step, ""), good.version, good.path, 0)
+        self._load(policy.Candidate(good.name, good.step, ""), good.version, good.path, 0)
 
     def _advance(self) -> None:
         if self.baseline is None or self.in_flight is not None:
