@@ -171,7 +171,12 @@ class DaemonProcess:
         """SIGTERM (if still running), wait, and close the pipe; returns the exit status."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-        code = self.process.wait(timeout=60)
+        try:
+            code = self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise AssertionError("daemon ignored SIGTERM for 60 s:\n" + "".join(self.raw[-15:])) from None
         self._reader.join(timeout=10)
         assert self.process.stdout is not None
         self.process.stdout.close()

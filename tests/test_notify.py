@@ -64,3 +64,10 @@ def test_notify_watchdog_interval_is_half_of_watchdog_usec(monkeypatch):
     assert Notifier("@x").watchdog_interval == 5.0
     monkeypatch.setenv("WATCHDOG_PID", "1")
     assert Notifier("@x").watchdog_interval is None
+
+
+def test_notify_never_blocks_when_the_reader_lags(listener):
+    _sock, address = listener
+    notifier = Notifier(address)
+    results = [notifier.status(f"line {i}") for i in range(500)]  # nobody reads: queue fills
+    assert results[0] is True and results[-1] is False

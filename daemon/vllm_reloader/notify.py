@@ -30,7 +30,11 @@ class Notifier:
         """Send `KEY=value` lines in one datagram; False when not under systemd or it failed."""
         if not self.address:
             return False
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+        # Non-blocking: a unix datagram socket whose reader lags blocks the sender once its
+        # queue is full, and a wedged main loop would be worse than a dropped STATUS line.
+        with socket.socket(
+            socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
+        ) as sock:
             try:
                 sock.sendto("\n".join(fields).encode(), self.address)
             except OSError:
