@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+pytest_plugins = ["service_fixtures"]
+
 TENSORS: Mapping[str, tuple[int, ...]] = {
     "model.embed_tokens.weight": (16, 8),
     "model.layers.0.mlp.up_proj.weight": (32, 8),

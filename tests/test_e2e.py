@@ -12,6 +12,8 @@ import itertools
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,8 +34,11 @@ def list_files(staged: Path, version: str, *, step: int) -> dict[str, object]:
 
 
 class World:
-    def __init__(self, engine: Engine, root: Path, staging: Path, daemon: DaemonProcess) -> None:
+    def __init__(
+        self, engine: Engine, root: Path, staging: Path, daemon: DaemonProcess, config: Path
+    ) -> None:
         self.engine, self.root, self.staging, self.daemon = engine, root, staging, daemon
+        self.config = config
         self.fresh_a = engine.complete()  # before any reload: a freshly started engine on A
         self.expected = self.fresh_a
         self.outputs_b: list[str] | None = None  # B's answers, once a test has loaded B
@@ -69,7 +74,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         daemon = DaemonProcess(config)
         try:
             daemon.wait_for("engine.reconciled", version="step-1")
-            yield World(engine, root, staging, daemon)
+            yield World(engine, root, staging, daemon, config)
         finally:
             assert daemon.stop() == 0
             assert not engine.is_paused(), "the daemon must never leave the engine paused"
@@ -198,4 +203,25 @@ def test_e2e_slow_writer_waits_then_loads(world: World):
     if world.outputs_b is not None:  # the same bytes as the B loaded earlier
         assert outputs == world.outputs_b
     world.serving, world.expected = name, outputs
+    world.assert_unchanged()
+
+
+def test_e2e_cli_pin_and_unpin_steer_the_real_engine(world: World):
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "vllm_reloader", *args, "--config", str(world.config)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+    newest = world.serving
+    assert "serving   " + newest in cli("status").stdout
+    assert cli("pin", "step-1").returncode == 0
+    world.daemon.wait_for("reload.succeeded", version="step-1")
+    assert world.engine.weight_version() == "step-1"
+    assert world.engine.complete() == world.fresh_a
+    assert json.loads(cli("status", "--json").stdout)["pinned"] == "step-1"
+
+    assert cli("unpin").returncode == 0
+    deadline = time.monotonic() + 60
+    while world.engine.weight_version() != newest:
+        assert time.monotonic() < deadline, "unpin did not bring the newest back"
+        time.sleep(0.1)
     world.assert_unchanged()

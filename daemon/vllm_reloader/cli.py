@@ -7,9 +7,12 @@ could not be placed); 2 bad usage or bad config, always one line on stderr, no t
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from . import config as config_mod
 from . import gate, layout, log
@@ -36,6 +39,17 @@ def _parser() -> argparse.ArgumentParser:
     publish.add_argument("--version", dest="name", metavar="NAME")
     publish.add_argument("--step", type=int, metavar="N")
     publish.add_argument("--move", action="store_true", help="move files instead of copying")
+
+    status = commands.add_parser("status", help="what the running daemon serves and why")
+    status.add_argument("--config", required=True, type=Path, metavar="FILE")
+    status.add_argument("--json", action="store_true", help="the raw answer, as JSON")
+    pin = commands.add_parser("pin", help="load VERSION and stop auto-advancing")
+    pin.add_argument("version", metavar="VERSION")
+    pin.add_argument("--config", required=True, type=Path, metavar="FILE")
+    for name, text in (("unpin", "resume auto-advancing"), ("reload", "rescan and check the engine now")):
+        commands.add_parser(name, help=text).add_argument(
+            "--config", required=True, type=Path, metavar="FILE"
+        )
 
     verify = commands.add_parser("verify", help="run the gate on a directory, offline")
     verify.add_argument("dir", type=Path, metavar="DIR")
@@ -86,6 +100,62 @@ def _verify(directory: Path, against: Path | None) -> int:
     return 1
 
 
+def _ago(timestamp: float) -> str:
+    seconds = max(0, int(time.time() - timestamp))
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+        if seconds >= 3600
+        else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
+
+
+def render_status(answer: dict[str, Any]) -> str:
+    """The on-call view: one fact per line, reasons in full."""
+    serving = answer.get("serving")
+    lines = []
+    if serving:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(serving["since"]))
+        lines.append(f"serving   {serving['version']}  since {since} ({_ago(serving['since'])} ago)")
+        lines.append(f"          {serving['path']}")
+    else:
+        lines.append("serving   (unknown: waiting for the engine)")
+    engine = answer.get("engine", {})
+    lines.append(
+        f"engine    {engine.get('url')}  {'reachable' if engine.get('reachable') else 'UNREACHABLE'}"
+    )
+    if answer.get("pinned"):
+        lines.append(f"pinned    {answer['pinned']}  (not auto-advancing; `vllm-reloader unpin` resumes)")
+    if answer.get("reloading"):
+        lines.append(f"reloading {answer['reloading']}")
+    last = answer.get("last_reload")
+    if last:
+        lines.append(f"last      {last['version']} in {last['duration_ms']:.0f} ms, {_ago(last['at'])} ago")
+    pending, rejected = answer.get("pending", {}), answer.get("rejected", {})
+    lines.append(f"pending   {len(pending)}")
+    lines.extend(f"  {name}: {reason}" for name, reason in pending.items())
+    lines.append(f"rejected  {len(rejected)}")
+    lines.extend(f"  {name}: {r['reason']}" for name, r in rejected.items())
+    return "\n".join(lines)
+
+
+def _control(args: argparse.Namespace) -> int:
+    from . import control
+
+    cfg = config_mod.load(args.config)
+    fields = {"version": args.version} if args.command == "pin" else {}
+    try:
+        answer = control.call(cfg.control_socket, args.command, **fields)
+    except control.ControlError as exc:
+        return _fail(1, str(exc))
+    if not answer.get("ok"):
+        return _fail(1, str(answer.get("error", "failed")))
+    if args.command == "status":
+        print(json.dumps(answer, indent=1) if args.json else render_status(answer))
+    else:
+        print("ok")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -93,6 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run(args.config, args.log_priority_prefix)
         if args.command == "publish":
             return _publish(args)
+        if args.command in ("status", "pin", "unpin", "reload"):
+            return _control(args)
         return _verify(args.dir, args.against)
     except ConfigError as exc:
         return _fail(2, str(exc))

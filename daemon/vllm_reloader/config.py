@@ -89,12 +89,40 @@ class LogConfig(_Section):
     """`<N>` before each line for journald (the unit turns it on with --log-priority-prefix)."""
 
 
+class ControlConfig(_Section):
+    socket: Path | None = None
+    """The control socket (mode 0660); default `<state.dir>/control.sock`."""
+
+    @field_validator("socket", mode="before")
+    @classmethod
+    def _path_from_str(cls, value: object) -> object:
+        return Path(value) if isinstance(value, str) else value
+
+
+class MetricsConfig(_Section):
+    listen: str | None = None
+    """`HOST:PORT` for the Prometheus endpoint; off when unset."""
+
+    @field_validator("listen")
+    @classmethod
+    def _host_port(cls, value: str | None) -> str | None:
+        if value is not None and not value.rpartition(":")[2].isdigit():
+            raise ValueError("must be HOST:PORT, e.g. 127.0.0.1:9400")
+        return value
+
+
 class Config(_Section):
     source: SourceConfig
     engine: EngineConfig
     state: StateConfig
     gate: GateConfig = GateConfig()
     log: LogConfig = LogConfig()
+    control: ControlConfig = ControlConfig()
+    metrics: MetricsConfig = MetricsConfig()
+
+    @property
+    def control_socket(self) -> Path:
+        return self.control.socket or self.state.dir / "control.sock"
 
 
 def _describe(error: ValidationError) -> str:

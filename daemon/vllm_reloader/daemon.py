@@ -19,6 +19,7 @@ from typing import Any
 from . import config as config_mod
 from . import log, source
 from .config import Config
+from .control import ControlServer
 from .engine import EngineClient
 from .errors import ConfigError
 from .notify import Notifier
@@ -45,6 +46,9 @@ class Daemon:
         self.notifier = notifier or Notifier()
         self.reloader = Reloader(config, client or EngineClient(config.engine), self.inbox.put)
         self.watcher = self._make_watcher(config)
+        self.control = ControlServer(
+            config.control_socket, lambda request, reply: self.inbox.put(("control", (request, reply)))
+        )
         self.ready_sent = False
         self.stopping_since: float | None = None
         self.last_status = ""
@@ -73,6 +77,9 @@ class Daemon:
         self.config.source.path.mkdir(parents=True, exist_ok=True)
         self.watcher.start()
         self.reloader.worker.start()
+        self.control.start()
+        if self.config.metrics.listen:
+            self.reloader.metrics.serve(self.config.metrics.listen)
         self.log.info(
             "daemon.started",
             root=str(self.config.source.path),
@@ -84,6 +91,7 @@ class Daemon:
                 self._step()
                 self._wait()
         finally:
+            self.control.close()
             self.watcher.stop()
             self.reloader.close()
             serving = self.reloader.state.serving
@@ -151,6 +159,20 @@ class Daemon:
 
     def handle_reloaded(self, outcome: Outcome) -> None:
         self.reloader.finished(outcome)
+
+    def handle_control(self, message: tuple[dict[str, Any], Any]) -> None:
+        request, reply = message
+        command = request["command"]
+        if command == "status":
+            reply.put({"ok": True, **self.reloader.status()})
+            return
+        error = None
+        if command == "pin":
+            error = self.reloader.pin(str(request.get("version", "")))
+        elif command == "unpin":
+            self.reloader.unpin()
+        self.reloader.check_now()
+        reply.put({"ok": error is None, **({"error": error} if error else {})})
 
     def handle_signal(self, signum: int) -> None:
         if signum == signal.SIGHUP:

@@ -134,11 +134,13 @@ def _check_sizes(directory: Path, manifest: Manifest) -> Verdict | None:
         except FileNotFoundError:
             return _pending(f"{entry.path} does not exist yet")
         if not stat.S_ISREG(info.st_mode):
-            return _rejected(f"{entry.path} is not a regular file")
+            return _rejected(f"{entry.path} is not a regular file", check="sizes")
         if info.st_size < entry.size:
             return _pending(f"{entry.path} has {info.st_size} of {entry.size} bytes")
         if info.st_size > entry.size:
-            return _rejected(f"{entry.path} has {info.st_size} bytes, manifest says {entry.size}")
+            return _rejected(
+                f"{entry.path} has {info.st_size} bytes, manifest says {entry.size}", check="sizes"
+            )
     return None
 
 
@@ -196,10 +198,10 @@ def check(
     except FileNotFoundError as exc:
         return _pending(f"{Path(exc.filename or directory).name} disappeared while checking")
     except PermissionError as exc:
-        return _rejected(f"cannot read {Path(exc.filename or directory).name}: permission denied")
+        return _rejected(f"cannot read {Path(exc.filename or directory).name}: permission denied", check="io")
     except OSError as exc:
         # Symlink loops, I/O errors, non-regular manifests: nothing a retry would fix.
-        return _rejected(f"cannot read checkpoint: {exc.strerror or exc}")
+        return _rejected(f"cannot read checkpoint: {exc.strerror or exc}", check="io")
 
 
 def _check(directory: Path, serving: layout.Layout | None, options: GateOptions, now: float) -> Verdict:
@@ -213,27 +215,29 @@ def _check(directory: Path, serving: layout.Layout | None, options: GateOptions,
     except ManifestNotJSON as exc:
         if now - mtime < options.manifest_grace:
             return _pending(f"{exc} (may still be written)", fingerprint=fp)
-        return _rejected(str(exc), fingerprint=fp)
+        return _rejected(str(exc), fingerprint=fp, check="manifest")
     except ManifestInvalid as exc:
-        return _rejected(f"manifest: {exc}", fingerprint=fp)
+        return _rejected(f"manifest: {exc}", fingerprint=fp, check="manifest")
 
     if problem := _check_paths(directory, manifest):
-        return _rejected(problem, manifest, fp)
+        return _rejected(problem, manifest, fp, check="paths")
     if size_verdict := _check_sizes(directory, manifest):
-        return Verdict(size_verdict.status, size_verdict.reason, manifest, fp)
+        return Verdict(size_verdict.status, size_verdict.reason, manifest, fp, size_verdict.details)
     weights = [directory / e.path for e in manifest.files if _is_weight(e.path)]
     if problem := _check_headers(directory, weights):
-        return _rejected(problem, manifest, fp)
+        return _rejected(problem, manifest, fp, check="headers")
     if serving is not None:
         try:
             candidate = layout.read_layout(directory, weights)
         except layout.LayoutUnreadable as exc:
-            return _rejected(str(exc), manifest, fp)
+            return _rejected(str(exc), manifest, fp, check="layout")
         if difference := layout.first_difference(candidate, serving):
             reason, tensor = difference
-            return _rejected(f"layout differs from serving: {reason}", manifest, fp, tensor=tensor)
+            return _rejected(
+                f"layout differs from serving: {reason}", manifest, fp, check="layout", tensor=tensor
+            )
     if options.verify_digests and (problem := _check_digests(directory, manifest, options.digest_threads)):
-        return _rejected(problem, manifest, fp)
+        return _rejected(problem, manifest, fp, check="digests")
     again = _read_manifest_bytes(directory)
     if again is None or fingerprint_of(again[0]) != fp:
         return _pending("manifest changed while it was being checked")

@@ -19,6 +19,7 @@ from .config import Config
 from .engine import RELOADING_PREFIX, STARTUP_VERSION, EngineClient, ReloadFailed, Target
 from .errors import EngineCallFailed, EngineError, EngineUnavailable, StateError
 from .manifest import MANIFEST_NAME
+from .metrics import Metrics
 from .state import Loaded, Rejection, State
 from .worker import Job, Outcome, ReloadWorker
 
@@ -39,6 +40,9 @@ class Reloader:
         self.next_rescan = 0.0
         self.next_recheck: float | None = None
         self.next_engine_check = 0.0
+        self.engine_up = False
+        self.last_reload: dict[str, Any] | None = None
+        self.metrics = Metrics()
         self.dirty: set[str] = set()
         self.in_flight: Job | None = None
         self.last_scan = 0.0
@@ -79,6 +83,8 @@ class Reloader:
             self._engine_down(exc)
             return
         self.next_engine_check = now + self.config.engine.check_interval
+        self.engine_up = True
+        self.metrics.engine_up.set(1)
         self._advance()
 
     def _check_engine(self) -> None:
@@ -160,7 +166,15 @@ class Reloader:
             manifest_grace=self.config.source.manifest_grace,
         )
         self.next_recheck = None
-        worth_trying = policy.to_try(self.candidates, serving=key, rejected=rejected)
+        if self.state.pinned is not None:
+            # An operator's choice: load exactly that one (older or not), then hold still.
+            pinned = self.candidates.get(self.state.pinned)
+            done = serving is not None and serving.name == self.state.pinned
+            worth_trying = (
+                [] if done or pinned is None or rejected.get(pinned.name) == pinned.fingerprint else [pinned]
+            )
+        else:
+            worth_trying = policy.to_try(self.candidates, serving=key, rejected=rejected)
         names = {c.name for c in worth_trying}
         self.last_report = {n: r for n, r in self.last_report.items() if n in names}
         for candidate in worth_trying:
@@ -199,13 +213,16 @@ class Reloader:
     def _load(self, candidate: policy.Candidate, version: str, path: str, size: int) -> None:
         serving = self.state.serving
         fallback = self.state.last_good or serving
+        lag_ms = _detection_lag_ms(Path(path))
+        if lag_ms is not None and candidate.fingerprint:  # not for restores of old checkpoints
+            self.metrics.detection_lag.observe(lag_ms / 1000)
         self.log.info(
             "reload.started",
             version=version,
             path=path,
             bytes=size,
             from_version=serving.version if serving else None,
-            detect_ms=_detection_lag_ms(Path(path)),
+            detect_ms=lag_ms,
         )
         self.in_flight = Job(
             client=self.client,
@@ -224,13 +241,18 @@ class Reloader:
             self.resume_owed = True
             self.log.error("engine.resume_failed", reason=str(outcome.resume_error))
         error = outcome.error
+        self.metrics.reloads.labels(result="failed" if error else "succeeded").inc()
         if isinstance(error, ReloadFailed):
             self.log.error(
                 "reload.failed", version=version, path=path, reason=str(error), restored=error.restored
             )
             if error.engine_up:
                 self._reject(
-                    job.candidate.name, version, f"reload_weights failed: {error}", job.candidate.fingerprint
+                    job.candidate.name,
+                    version,
+                    f"reload_weights failed: {error}",
+                    job.candidate.fingerprint,
+                    check="reload",
                 )
             if not error.restored:
                 self._engine_down(error)
@@ -243,6 +265,13 @@ class Reloader:
             name=job.candidate.name, version=version, path=path, since=time.time(), step=job.candidate.step
         )
         self._set_serving(loaded, last_good=loaded)
+        self.metrics.reload_seconds.observe(outcome.seconds)
+        self.metrics.bytes_reloaded.inc(job.size)
+        self.last_reload = {
+            "version": version,
+            "duration_ms": round(outcome.seconds * 1000, 3),
+            "at": time.time(),
+        }
         self.log.info(
             "reload.succeeded",
             version=version,
@@ -252,6 +281,42 @@ class Reloader:
             gb_per_s=round(job.size / outcome.seconds / 1e9, 3) if outcome.seconds > 0 else None,
             **(outcome.timings or {}),
         )
+
+    # -- the control socket's commands (called on the main loop) -----------------------------
+
+    def status(self) -> dict[str, Any]:
+        serving = self.state.serving
+        return {
+            "serving": serving.model_dump() if serving else None,
+            "last_good": self.state.last_good.model_dump() if self.state.last_good else None,
+            "last_reload": self.last_reload,
+            "reloading": self.in_flight.target.version if self.in_flight else None,
+            "pinned": self.state.pinned,
+            "pending": {name: reason for name, (_, reason) in sorted(self.last_report.items())},
+            "rejected": {name: r.model_dump() for name, r in sorted(self.state.rejected.items())},
+            "engine": {"url": self.config.engine.url, "reachable": self.engine_up},
+        }
+
+    def pin(self, name: str) -> str | None:
+        """Pin a checkpoint by directory name or version; returns an error, or None."""
+        self._rescan()
+        match = name if name in self.candidates else None
+        match = match or next(
+            (n for n in self.candidates if reconcile.version_of(self.root / n) == name), None
+        )
+        if match is None:
+            return f"no checkpoint named {name!r} in {self.root}"
+        self.log.info("control.pinned", name=match)
+        self._save(self.state.model_copy(update={"pinned": match}))
+        return None
+
+    def unpin(self) -> None:
+        self.log.info("control.unpinned", name=self.state.pinned)
+        self._save(self.state.model_copy(update={"pinned": None}))
+
+    def check_now(self) -> None:
+        """`reload`: rescan the root and ask the engine now, instead of at the next timer."""
+        self.next_rescan = self.next_engine_check = self.engine_retry_at = 0.0
 
     def pending_names(self) -> list[str]:
         return sorted(name for name, (status, _) in self.last_report.items() if status == "pending")
@@ -278,6 +343,8 @@ class Reloader:
         self.client.close()
 
     def _set_serving(self, serving: Loaded | None, *, last_good: Loaded | None = None) -> None:
+        if serving is not None and serving.step is not None:
+            self.metrics.serving_step.set(serving.step)
         update: dict[str, Any] = {"serving": serving}
         if last_good is not None:
             update["last_good"] = last_good
@@ -285,6 +352,7 @@ class Reloader:
 
     def _reject(self, name: str, version: str | None, reason: str, fingerprint: str, **details: Any) -> None:
         version = version or name
+        self.metrics.rejected.labels(check=details.get("check", "")).inc()
         self.log.warning("checkpoint.rejected", name=name, version=version, reason=reason, **details)
         rejected = {
             **self.state.rejected,
@@ -307,6 +375,8 @@ class Reloader:
 
     def _engine_down(self, exc: EngineError) -> None:
         self.reconciled = False
+        self.engine_up = False
+        self.metrics.engine_up.set(0)
         self.engine_retry_at = time.monotonic() + self.backoff
         self.log.warning(
             "engine.unreachable" if isinstance(exc, EngineUnavailable) else "engine.error",

@@ -47,6 +47,8 @@ class State(BaseModel):
     serving: Loaded | None = None
     last_good: Loaded | None = None
     rejected: dict[str, Rejection] = {}
+    pinned: str | None = None
+    """A checkpoint name an operator pinned: loaded, and no auto-advance until unpinned."""
 
 
 def load(directory: Path) -> State:

@@ -1,0 +1,37 @@
+"""Prometheus metrics, served from `[metrics] listen` (off by default).
+
+A registry of its own, so nothing else in the process leaks into the scrape and tests can
+make as many as they like. Updated only from the main loop.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.reloads = Counter("vllm_reloader_reloads", "Reloads by result", ["result"], registry=r)
+        self.reload_seconds = Histogram(
+            "vllm_reloader_reload_duration_seconds", "Pause to resume", buckets=DURATION_BUCKETS, registry=r
+        )
+        self.bytes_reloaded = Counter("vllm_reloader_reloaded_bytes", "Bytes of weights reloaded", registry=r)
+        self.serving_step = Gauge("vllm_reloader_serving_step", "Step of the serving checkpoint", registry=r)
+        self.rejected = Counter(
+            "vllm_reloader_rejected", "Checkpoints rejected, by the check that failed", ["check"], registry=r
+        )
+        self.detection_lag = Histogram(
+            "vllm_reloader_detection_lag_seconds",
+            "Manifest mtime to reload start",
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.engine_up = Gauge("vllm_reloader_engine_up", "1 when the engine answers", registry=r)
+
+    def serve(self, listen: str) -> None:
+        host, _, port = listen.rpartition(":")
+        start_http_server(int(port), addr=host.strip("[]") or "127.0.0.1", registry=self.registry)
