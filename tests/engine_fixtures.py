@@ -91,14 +91,11 @@ def start_engine(model: Path, log_path: Path) -> Engine:
         import vllm  # noqa: F401
     except ImportError as exc:
         pytest.fail(f"vLLM is not installed in this environment ({exc}); run the README's test command")
+    from vllm_reloader.demo import ENGINE_ENV, engine_command
+
     port = free_port()
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model), "--served-model-name", "tiny",
-        "--dtype", ENGINE_DTYPE, "--max-model-len", "256", "--enforce-eager",
-        "--host", "127.0.0.1", "--port", str(port),
-    ]  # fmt: skip
+    env = {**os.environ, **ENGINE_ENV}
+    command = engine_command(model, port, ENGINE_DTYPE)
     log = log_path.open("wb")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     engine = Engine(f"http://127.0.0.1:{port}", model, process, log_path, log)
@@ -195,8 +192,8 @@ def daemon_config(path: Path, *, root: Path, engine_url: str, state_dir: Path) -
 def session_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Path, Path]]:
     """Yields (engine, root, staging): engine started on ROOT/step-1 (seed 1), and
     staging/seed-2 holding a second checkpoint with the same layout, other weights."""
-    from tiny_model import write_checkpoint
     from vllm_reloader.publish import publish
+    from vllm_reloader.tinymodel import write_checkpoint
 
     base = tmp_path_factory.mktemp("e2e")
     root, staging = base / "root", base / "staging"

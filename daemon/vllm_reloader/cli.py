@@ -16,7 +16,7 @@ from typing import Any
 
 from . import config as config_mod
 from . import gate, layout, log
-from .errors import ConfigError, PublishError, StateError
+from .errors import ConfigError, ReloaderError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
         commands.add_parser(name, help=text).add_argument(
             "--config", required=True, type=Path, metavar="FILE"
         )
+
+    demo = commands.add_parser("demo", help="tiny checkpoints, a CPU vLLM engine, one hot reload")
+    demo.add_argument("--engine-url", metavar="URL", help="use this running engine instead of starting one")
+    demo.add_argument("--keep", action="store_true", help="keep the temporary directory")
 
     verify = commands.add_parser("verify", help="run the gate on a directory, offline")
     verify.add_argument("dir", type=Path, metavar="DIR")
@@ -165,10 +169,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _publish(args)
         if args.command in ("status", "pin", "unpin", "reload"):
             return _control(args)
+        if args.command == "demo":
+            from . import demo
+
+            return demo.run(args.engine_url, keep=args.keep)
         return _verify(args.dir, args.against)
     except ConfigError as exc:
         return _fail(2, str(exc))
-    except (PublishError, StateError) as exc:
+    except ReloaderError as exc:  # publish, state, demo, control: one line, exit 1
         return _fail(1, str(exc))
     except KeyboardInterrupt:
         return 130

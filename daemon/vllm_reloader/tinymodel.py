@@ -29,6 +29,9 @@ def write_checkpoint(out: Path, *, seed: int, hidden_size: int = 64, layers: int
     """Write a random Llama with its tokenizer into `out` (HF layout, safetensors)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -43,9 +46,10 @@ def write_checkpoint(out: Path, *, seed: int, hidden_size: int = 64, layers: int
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,
-        torch_dtype="bfloat16",
+        dtype="bfloat16",
     )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    # transformers types `.to` through a decorator that mypy reads as taking the model.
+    model = LlamaForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]
     # Large weights make greedy outputs differ clearly between seeds.
     with torch.no_grad():
         for p in model.parameters():
