@@ -10,7 +10,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,18 +22,14 @@ from typing import BinaryIO
 import httpx
 import pytest
 
+from vllm_reloader.demo import ENGINE_ENV, engine_command, free_port, stop_process
+
 # vLLM's AMX bfloat16 attention kernel crashes the worker on this CPU (first forward pass,
 # SIGSEGV in cpu_attention_with_kv_cache); float32 takes the AVX-512 path. Checkpoints
 # are bf16 on disk, so the fp32 engine holds exactly the same values either way.
 ENGINE_DTYPE = os.environ.get("VLLM_RELOADER_TEST_DTYPE", "float32")
 ENGINE_START_TIMEOUT = float(os.environ.get("VLLM_RELOADER_ENGINE_TIMEOUT", "400"))
 PROMPTS = ["w1 w2 w3 w4", "w10 w20 w30", "w100 w7 w42 w9 w3"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -91,8 +86,6 @@ def start_engine(model: Path, log_path: Path) -> Engine:
         import vllm  # noqa: F401
     except ImportError as exc:
         pytest.fail(f"vLLM is not installed in this environment ({exc}); run the README's test command")
-    from vllm_reloader.demo import ENGINE_ENV, engine_command
-
     port = free_port()
     env = {**os.environ, **ENGINE_ENV}
     command = engine_command(model, port, ENGINE_DTYPE)
@@ -109,19 +102,6 @@ def start_engine(model: Path, log_path: Path) -> Engine:
         time.sleep(0.5)
     engine.stop()
     pytest.fail(f"vLLM did not become healthy in {ENGINE_START_TIMEOUT:.0f} s:\n{_tail(log_path)}")
-
-
-def stop_process(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
-    if process.poll() is not None:
-        return
-    try:
-        os.killpg(process.pid, sig)
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
-    except ProcessLookupError:
-        pass
 
 
 class DaemonProcess:

@@ -19,9 +19,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -50,10 +51,24 @@ def engine_command(model: Path, port: int, dtype: str = DTYPE) -> list[str]:
 ENGINE_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def stop_process(process: subprocess.Popen[Any], sig: int = signal.SIGTERM) -> None:
+    """Stop a process started with start_new_session, and its children: `sig`, then SIGKILL."""
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, sig)
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+    except ProcessLookupError:
+        pass
 
 
 def _say(text: str) -> None:
@@ -70,14 +85,8 @@ def _process(command: list[str], log: Path | None, env: dict[str, str]) -> Itera
     try:
         yield process
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        if log and not isinstance(out, int):
+        stop_process(process)
+        if not isinstance(out, int):
             out.close()
 
 
@@ -191,7 +200,7 @@ def run(engine_url: str | None = None, keep: bool = False) -> int:
 
 @contextmanager
 def _engine(
-    engine_url: str | None, base: Path, root: Path, staging: Path, write_checkpoint: object
+    engine_url: str | None, base: Path, root: Path, staging: Path, write_checkpoint: Callable[..., Path]
 ) -> Iterator[tuple[str, str, float | None, Path]]:
     """(url, model name, engine start seconds or None, the checkpoint to publish next)."""
     if engine_url is not None:
@@ -206,10 +215,10 @@ def _engine(
         yield url, model, None, staging / "next"
         return
     _say("writing two tiny random Llama checkpoints")
-    write_checkpoint(staging / "seed-1", seed=1)  # type: ignore[operator]
-    write_checkpoint(staging / "seed-2", seed=2)  # type: ignore[operator]
+    write_checkpoint(staging / "seed-1", seed=1)
+    write_checkpoint(staging / "seed-2", seed=2)
     publish(staging / "seed-1", root, step=1)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     _say(f"starting a CPU vLLM engine on {root / 'step-1'} (log: {base / 'engine.log'})")
     started = time.monotonic()
