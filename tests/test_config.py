@@ -57,5 +57,10 @@ def test_config_example_file_is_valid_and_matches_defaults():
 
     example = Path(__file__).parent.parent / "config" / "vllm-reloader.toml"
     parsed = config.load(example)
-    assert parsed.source.poll_interval == config.SourceConfig(path=Path("/x")).poll_interval
+    required = {"source": {"path"}, "engine": {"url"}, "state": {"dir"}}
+    for section_name, section in parsed:
+        default = type(section).model_construct()
+        for key in type(section).model_fields:
+            if key not in required.get(section_name, set()):
+                assert getattr(section, key) == getattr(default, key), f"{section_name}.{key}"
     assert parsed.engine.pause_mode == "keep"

@@ -11,8 +11,9 @@ import pytest
 
 from conftest import TENSORS, MakeCheckpoint, write_manifest, write_weights
 from vllm_reloader import gate, layout
+from vllm_reloader.completeness import Convention
 
-NO_GRACE = gate.GateOptions(manifest_grace=0)
+NO_GRACE = gate.GateOptions(convention=Convention(manifest_grace=0))
 
 
 def serving_layout(tmp_path: Path) -> layout.Layout:
@@ -49,7 +50,7 @@ def test_gate_waits_for_half_written_manifest_then_rejects_after_grace(make_chec
     text = (directory / "manifest.json").read_text()
     (directory / "manifest.json").write_text(text[: len(text) // 2])
     mtime = (directory / "manifest.json").stat().st_mtime
-    options = gate.GateOptions(manifest_grace=10)
+    options = gate.GateOptions(convention=Convention(manifest_grace=10))
     assert gate.check(directory, serving=None, options=options, now=mtime + 1).status == "pending"
     late = gate.check(directory, serving=None, options=options, now=mtime + 11)
     assert late.status == "rejected"

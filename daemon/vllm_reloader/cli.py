@@ -16,6 +16,7 @@ from typing import Any
 
 from . import config as config_mod
 from . import gate, layout, log
+from .completeness import Convention, Mode
 from .errors import ConfigError, ReloaderError
 
 
@@ -35,7 +36,8 @@ def _parser() -> argparse.ArgumentParser:
 
     publish = commands.add_parser("publish", help="place a checkpoint into a root atomically")
     publish.add_argument("src", type=Path, metavar="SRC")
-    publish.add_argument("--into", required=True, type=Path, metavar="ROOT")
+    publish.add_argument("--into", required=True, metavar="ROOT", help="a local root, or s3:// gs:// az://")
+    publish.add_argument("--endpoint-url", metavar="URL", help="object store endpoint (S3-compatible)")
     publish.add_argument("--version", dest="name", metavar="NAME")
     publish.add_argument("--step", type=int, metavar="N")
     publish.add_argument("--move", action="store_true", help="move files instead of copying")
@@ -60,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument(
         "--against", type=Path, metavar="SERVING_DIR", help="also check the layout against this checkpoint"
     )
+    verify.add_argument(
+        "--completeness", choices=("manifest", "hf-index", "marker"), default="manifest",
+        help="how the writer marks a checkpoint whole (as [source] completeness)",
+    )  # fmt: skip
     return parser
 
 
@@ -81,21 +87,37 @@ def _run(config_path: Path, priority_prefix: bool) -> int:
 
 
 def _publish(args: argparse.Namespace) -> int:
+    from .config import REMOTE_SCHEMES
+
+    if args.into.startswith(REMOTE_SCHEMES):
+        from .publish import publish_remote
+
+        if args.move:
+            return _fail(2, "--move works only into a local root")
+        print(
+            publish_remote(
+                args.src, args.into, name=args.name, step=args.step, endpoint_url=args.endpoint_url
+            )
+        )
+        return 0
     from .publish import publish
 
-    final = publish(args.src, args.into, name=args.name, step=args.step, move=args.move)
-    print(final)
+    print(publish(args.src, Path(args.into), name=args.name, step=args.step, move=args.move))
     return 0
 
 
-def _verify(directory: Path, against: Path | None) -> int:
+def _verify(directory: Path, against: Path | None, mode: Mode) -> int:
     serving = None
     if against is not None:
         try:
             serving = layout.read_served_layout(against)
         except (OSError, layout.LayoutUnreadable) as exc:
             return _fail(2, f"--against {against}: {exc}")
-    verdict = gate.check(directory, serving=serving, options=gate.GateOptions(manifest_grace=0))
+    verdict = gate.check(
+        directory,
+        serving=serving,
+        options=gate.GateOptions(convention=Convention(mode, manifest_grace=0, settle_seconds=0)),
+    )
     if verdict.status == "ready":
         compared = "" if serving else " (layout not compared: no --against)"
         print(f"ready: {directory} ({verdict.bytes} bytes){compared}")
@@ -173,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from . import demo
 
             return demo.run(args.engine_url, keep=args.keep)
-        return _verify(args.dir, args.against)
+        return _verify(args.dir, args.against, args.completeness)
     except ConfigError as exc:
         return _fail(2, str(exc))
     except ReloaderError as exc:  # publish, state, demo, control: one line, exit 1

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import ConfigError
 
-DEFAULT_IGNORE = ("*.tmp", "*.partial", "tmp-*", "*.orbax-checkpoint-tmp-*")
+REMOTE_SCHEMES = ("s3://", "gs://", "az://")
+DEFAULT_MARKERS = ("commit_success.txt", "_SUCCESS", "COMPLETE")
 
 
 class _Section(BaseModel):
@@ -23,28 +24,56 @@ class _Section(BaseModel):
 
 
 class SourceConfig(_Section):
-    path: Path
+    path: str = Field(min_length=1)
+    """A local checkpoint root, or an object-store prefix (`s3://`, `gs://`, `az://`)."""
+    endpoint_url: str | None = None
+    """Object store endpoint (an S3-compatible store); overrides `AWS_ENDPOINT_URL`."""
     poll: bool = False
     """Poll instead of inotify. Turned on by itself for NFS/CIFS/FUSE mounts."""
-    poll_interval: float = Field(2.0, gt=0)
+    poll_interval: float | None = Field(None, gt=0)
+    """Default 2 s for a polled local root, 10 s for an object store (a LIST each time)."""
     rescan_interval: float = Field(30.0, gt=0)
     """Full rescan even with inotify: its queue can overflow."""
     pending_recheck_interval: float = Field(1.0, gt=0)
     """How often pending candidates are re-gated when no event arrives."""
     manifest_grace: float = Field(10.0, ge=0)
     """How long an unparsable manifest may be mid-write before it is rejected."""
-    ignore: tuple[str, ...] = DEFAULT_IGNORE
-    """Glob patterns of directory names that are never candidates (dot-dirs always are)."""
+    ignore: tuple[str, ...] = ()
+    """More glob patterns of names that are never candidates, on top of `source.ALWAYS_IGNORED`."""
+    completeness: Literal["manifest", "hf-index", "marker"] = "manifest"
+    """How a checkpoint says it is whole: our manifest, HF's index written last, or a marker file."""
+    markers: tuple[str, ...] = DEFAULT_MARKERS
+    """`marker` mode: any of these files in the checkpoint directory marks it complete."""
+    settle_seconds: float = Field(30.0, ge=0)
+    """`hf-index` mode, single-file checkpoints: how long the directory must be quiet."""
+    download_concurrency: int = Field(8, ge=1, le=256)
+    part_size: int = Field(16 << 20, ge=4096)
+    """Bytes per ranged GET; also what a resumed download can lose at most per part in flight."""
+
+    @field_validator("ignore", "markers", mode="before")
+    @classmethod
+    def _tuple_from_list(cls, value: object) -> object:
+        return tuple(value) if isinstance(value, list) else value
 
     @field_validator("path", mode="before")
     @classmethod
-    def _path_from_str(cls, value: object) -> object:
-        return Path(value) if isinstance(value, str) else value
+    def _str_from_path(cls, value: object) -> object:
+        return str(value) if isinstance(value, Path) else value
 
-    @field_validator("ignore", mode="before")
+    @field_validator("path")
     @classmethod
-    def _ignore_from_list(cls, value: object) -> object:
-        return tuple(value) if isinstance(value, list) else value
+    def _known_scheme(cls, value: str) -> str:
+        if "://" in value and not value.startswith(REMOTE_SCHEMES):
+            raise ValueError(f"unsupported scheme; use a local path or one of {', '.join(REMOTE_SCHEMES)}")
+        return value
+
+    @property
+    def remote(self) -> bool:
+        return self.path.startswith(REMOTE_SCHEMES)
+
+    @property
+    def interval(self) -> float:
+        return self.poll_interval or (10.0 if self.remote else 2.0)
 
 
 class GateConfig(_Section):
@@ -75,8 +104,14 @@ class EngineConfig(_Section):
 
 class StateConfig(_Section):
     dir: Path
+    cache_dir: Path | None = None
+    """Where an object-store source downloads to; default `<dir>/cache`."""
+    keep: int = Field(2, ge=0)
+    """Downloaded checkpoints kept besides the serving and last good one (and a pinned one)."""
+    min_free_bytes: int = Field(1 << 30, ge=0)
+    """Free space that must remain in `cache_dir` after a download, or it does not start."""
 
-    @field_validator("dir", mode="before")
+    @field_validator("dir", "cache_dir", mode="before")
     @classmethod
     def _path_from_str(cls, value: object) -> object:
         return Path(value) if isinstance(value, str) else value
@@ -123,6 +158,15 @@ class Config(_Section):
     @property
     def control_socket(self) -> Path:
         return self.control.socket or self.state.dir / "control.sock"
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.state.cache_dir or self.state.dir / "cache"
+
+    @property
+    def checkpoint_root(self) -> Path:
+        """The local directory the engine loads from: the source itself, or the download cache."""
+        return self.cache_dir / "checkpoints" if self.source.remote else Path(self.source.path)
 
 
 def _describe(error: ValidationError) -> str:

@@ -24,6 +24,7 @@ from .engine import EngineClient
 from .errors import ConfigError
 from .notify import Notifier
 from .reloader import Reloader
+from .remote import RemoteSource
 from .worker import Outcome
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -46,6 +47,7 @@ class Daemon:
         self.notifier = notifier or Notifier()
         self.reloader = Reloader(config, client or EngineClient(config.engine), self.inbox.put)
         self.watcher = self._make_watcher(config)
+        self.remote = self._make_remote(config)
         self.control = ControlServer(
             config.control_socket, lambda request, reply: self.inbox.put(("control", (request, reply)))
         )
@@ -55,11 +57,21 @@ class Daemon:
 
     def _make_watcher(self, config: Config) -> source.Watcher:
         return source.Watcher(
-            config.source.path,
+            config.checkpoint_root,
             ignore=config.source.ignore,
             notify=lambda name: self.inbox.put(("fs", name)),
-            poll=config.source.poll,
-            poll_interval=config.source.poll_interval,
+            poll=config.source.poll and not config.source.remote,  # the cache is a local disk
+            poll_interval=min(config.source.interval, 2.0),
+        )
+
+    def _make_remote(self, config: Config) -> RemoteSource | None:
+        if not config.source.remote:
+            return None
+        return RemoteSource(
+            config,
+            serving=self.reloader.serving_key,
+            rejected=lambda: {name: r.fingerprint for name, r in self.reloader.state.rejected.items()},
+            post=self.inbox.put,
         )
 
     # -- edges: called from other threads or signal handlers; they only enqueue ------------
@@ -74,15 +86,18 @@ class Daemon:
     # -- the loop ---------------------------------------------------------------------------
 
     def run(self) -> int:
-        self.config.source.path.mkdir(parents=True, exist_ok=True)
+        self.config.checkpoint_root.mkdir(parents=True, exist_ok=True)
         self.watcher.start()
+        if self.remote:
+            self.remote.start()
         self.reloader.worker.start()
         self.control.start()
         if self.config.metrics.listen:
             self.reloader.metrics.serve(self.config.metrics.listen)
         self.log.info(
             "daemon.started",
-            root=str(self.config.source.path),
+            root=str(self.config.checkpoint_root),
+            source=self.config.source.path,
             engine=self.config.engine.url,
             detection="polling" if self.watcher.polling else "inotify",
         )
@@ -92,6 +107,8 @@ class Daemon:
                 self._wait()
         finally:
             self.control.close()
+            if self.remote:
+                self.remote.close()
             self.watcher.stop()
             self.reloader.close()
             serving = self.reloader.state.serving
@@ -122,6 +139,8 @@ class Daemon:
     def _healthy(self) -> bool:
         """Alive means both threads run, and no reload outlives what its timeouts allow."""
         if not (self.watcher.is_alive() and self.reloader.worker.is_alive()):
+            return False
+        if self.remote and not self.remote.is_alive():
             return False
         job = self.reloader.in_flight
         return job is None or time.monotonic() - job.started < self._reload_budget()
@@ -160,11 +179,27 @@ class Daemon:
     def handle_reloaded(self, outcome: Outcome) -> None:
         self.reloader.finished(outcome)
 
+    def handle_fetched(self, name: str) -> None:
+        """A download landed in the checkpoint root: gate it now, not at the watcher's pace."""
+        self.reloader.dirty.add(name)
+        self.reloader.prune_cache()
+
+    def handle_rejected(self, rejection: dict[str, Any]) -> None:
+        """The remote source judged a checkpoint bad before or while downloading it."""
+        self.reloader.reject(
+            rejection["name"], rejection["version"], rejection["reason"], rejection["fingerprint"],
+            check=rejection["check"],
+        )  # fmt: skip
+
     def handle_control(self, message: tuple[dict[str, Any], Any]) -> None:
         request, reply = message
         command = request["command"]
         if command == "status":
-            reply.put({"ok": True, **self.reloader.status()})
+            answer = self.reloader.status()
+            if self.remote:
+                answer["pending"].update(self.remote.pending)
+                answer["source"] = {"url": self.config.source.path, "failing": dict(self.remote.problems)}
+            reply.put({"ok": True, **answer})
             return
         error = None
         if command == "pin":
@@ -204,11 +239,22 @@ class Daemon:
             new = new.model_copy(update={"log": new.log.model_copy(update={"priority_prefix": True})})
         if new.log != old.log:
             log.configure(new.log.level, new.log.format, priority_prefix=new.log.priority_prefix)
-        if new.source != old.source:
+        if new.source != old.source or new.state != old.state:
+            try:
+                remote = self._make_remote(new)
+            except ConfigError as exc:
+                self.log.error("config.invalid", reason=str(exc), kept="previous config")
+                self.notifier.ready(self.reloader.status_line())
+                return
+            if self.remote:
+                self.remote.close()
+            self.remote = remote
             self.watcher.stop()
-            new.source.path.mkdir(parents=True, exist_ok=True)
+            new.checkpoint_root.mkdir(parents=True, exist_ok=True)
             self.watcher = self._make_watcher(new)
             self.watcher.start()
+            if self.remote:
+                self.remote.start()
             self.reloader.next_rescan = 0.0
         if new.engine != old.engine:
             self.reloader.client = EngineClient(new.engine)

@@ -7,6 +7,9 @@ they enter, so the rest of the daemon only ever catches these::
     ├── ConfigError            bad or unreadable config file (the CLI exits 2, one line)
     ├── PublishError           `publish` cannot place a checkpoint (nothing half-written stays)
     ├── StateError             the state file cannot be read or written
+    ├── DownloadError          the local side of a download: no space, cannot write the cache
+    ├── SourceError            the object store: unreachable, denied, no such bucket (retried)
+    │   └── ObjectChanged      an object's ETag changed under a download (start again)
     └── EngineError            anything between us and the vLLM engine
         ├── EngineUnavailable  no answer: refused, reset, timed out (retry with backoff)
         └── EngineCallFailed   the engine answered, with an error status or a bad body
@@ -30,6 +33,18 @@ class PublishError(ReloaderError):
 
 class StateError(ReloaderError):
     """The state file could not be read or written."""
+
+
+class DownloadError(ReloaderError):
+    """A download cannot be placed in the cache (short of space, disk errors)."""
+
+
+class SourceError(ReloaderError):
+    """The object store refused or did not answer; the message is one line with its code."""
+
+
+class ObjectChanged(SourceError):
+    """An object was replaced while it was being downloaded (the If-Match failed)."""
 
 
 class EngineError(ReloaderError):

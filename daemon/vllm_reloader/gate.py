@@ -10,6 +10,8 @@ being served and the clock; its verdict is data:
 - `rejected`: can never become loadable as described; not retried unless the manifest
   bytes change (`fingerprint`).
 
+What "whole" means depends on the writer (`completeness`: our manifest, HF's index, a
+marker file); a NeMo `<name>-unfinished` next to the directory holds it pending in any mode.
 Checks run cheapest first: schema, paths, sizes, safetensors headers, layout, digests.
 Digests come last because they read every byte — which also warms the page cache right
 before the engine reads the same bytes.
@@ -17,23 +19,24 @@ before the engine reads the same bytes.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import posixpath
 import stat
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import blake3
 from safetensors import SafetensorError, safe_open
 
-from . import layout
-from .manifest import MANIFEST_NAME, Manifest, ManifestFile, ManifestInvalid, ManifestNotJSON
-from .manifest import parse as parse_manifest
+from . import completeness, layout
+from .completeness import Convention, Incomplete, fingerprint_of
+from .config import Config
+from .manifest import MANIFEST_NAME, Manifest, ManifestFile, digest_mismatch, hashers
+from .source import UNFINISHED_SUFFIX
+
+__all__ = ["GateOptions", "Verdict", "check", "fingerprint_of"]
 
 Status = Literal["ready", "pending", "rejected"]
 
@@ -60,7 +63,21 @@ class Verdict:
 class GateOptions:
     verify_digests: bool = True
     digest_threads: int = 4
-    manifest_grace: float = 10.0
+    convention: Convention = field(default_factory=Convention)
+
+    @classmethod
+    def from_config(cls, config: Config) -> GateOptions:
+        source = config.source
+        return cls(
+            verify_digests=config.gate.verify_digests,
+            digest_threads=config.gate.digest_threads,
+            convention=Convention(
+                mode=source.completeness,
+                markers=source.markers,
+                settle_seconds=source.settle_seconds,
+                manifest_grace=source.manifest_grace,
+            ),
+        )
 
 
 def _pending(reason: str, manifest: Manifest | None = None, fingerprint: str = "") -> Verdict:
@@ -73,22 +90,7 @@ def _rejected(
     return Verdict("rejected", reason, manifest, fingerprint, details)
 
 
-def fingerprint_of(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _read_manifest_bytes(directory: Path) -> tuple[bytes, float] | None:
-    path = directory / MANIFEST_NAME
-    try:
-        info = path.lstat()
-        if not stat.S_ISREG(info.st_mode):
-            raise IsADirectoryError(f"{MANIFEST_NAME} is not a regular file")
-        return path.read_bytes(), info.st_mtime
-    except FileNotFoundError:
-        return None
-
-
-def _unsafe_path(relative: str) -> str | None:
+def unsafe_path(relative: str) -> str | None:
     """Why a manifest path may not be used, or None. Symlinks are checked separately."""
     if relative.startswith("/"):
         return "is absolute"
@@ -105,7 +107,7 @@ def _check_paths(directory: Path, manifest: Manifest) -> str | None:
     root = os.path.realpath(directory)
     seen: set[str] = set()
     for entry in manifest.files:
-        problem = _unsafe_path(entry.path)
+        problem = unsafe_path(entry.path)
         if problem is None and entry.path in seen:
             problem = "is listed twice"
         resolved = os.path.realpath(directory / entry.path)  # a loop resolves to itself; stat fails later
@@ -114,16 +116,16 @@ def _check_paths(directory: Path, manifest: Manifest) -> str | None:
         if problem:
             return f"path {entry.path!r} {problem}"
         seen.add(entry.path)
-    weights = {e.path for e in manifest.files if _is_weight(e.path)}
+    weights = {e.path for e in manifest.files if is_weight(e.path)}
     if not weights:
         return "manifest lists no .safetensors file"
     for name in sorted(p.name for p in directory.glob("*" + WEIGHT_SUFFIX)):
         if name not in weights:
-            return f"{name} is in the directory but not in the manifest (the engine would load it)"
+            return f"{name} is in the directory but not listed (the engine would load it)"
     return None
 
 
-def _is_weight(relative: str) -> bool:
+def is_weight(relative: str) -> bool:
     return "/" not in relative and relative.endswith(WEIGHT_SUFFIX)
 
 
@@ -155,22 +157,14 @@ def _check_headers(directory: Path, weights: list[Path]) -> str | None:
 
 
 def _hash_file(path: Path, entry: ManifestFile) -> str | None:
-    hashers: dict[str, Callable[[], object]] = {}
-    if entry.sha256:
-        hashers["sha256"] = hashlib.sha256
-    if entry.blake3:
-        hashers["blake3"] = blake3.blake3
-    states = {name: make() for name, make in hashers.items()}
+    states = hashers(entry)
     buffer = bytearray(READ_CHUNK)
     view = memoryview(buffer)
     with path.open("rb", buffering=0) as f:
         while n := f.readinto(buffer):
             for state in states.values():
-                state.update(view[:n])  # type: ignore[attr-defined]
-    for name, state in states.items():
-        if state.hexdigest() != getattr(entry, name):  # type: ignore[attr-defined]
-            return f"{entry.path}: {name} mismatch"
-    return None
+                state.update(view[:n])
+    return digest_mismatch(entry, states)
 
 
 def _check_digests(directory: Path, manifest: Manifest, threads: int) -> str | None:
@@ -205,25 +199,20 @@ def check(
 
 
 def _check(directory: Path, serving: layout.Layout | None, options: GateOptions, now: float) -> Verdict:
-    found = _read_manifest_bytes(directory)
-    if found is None:
-        return _pending("no manifest.json yet")
-    data, mtime = found
-    fp = fingerprint_of(data)
-    try:
-        manifest = parse_manifest(data)
-    except ManifestNotJSON as exc:
-        if now - mtime < options.manifest_grace:
-            return _pending(f"{exc} (may still be written)", fingerprint=fp)
-        return _rejected(str(exc), fingerprint=fp, check="manifest")
-    except ManifestInvalid as exc:
-        return _rejected(f"manifest: {exc}", fingerprint=fp, check="manifest")
-
+    unfinished = directory.with_name(directory.name + UNFINISHED_SUFFIX)
+    if unfinished.exists():
+        return _pending(f"{unfinished.name} is there: the trainer (NeMo) has not finished it")
+    listed = completeness.describe(directory, options.convention, now)
+    if isinstance(listed, Incomplete):
+        if listed.status == "pending":
+            return _pending(listed.reason, fingerprint=listed.fingerprint)
+        return _rejected(listed.reason, fingerprint=listed.fingerprint, check=listed.check)
+    manifest, fp = listed.manifest, listed.fingerprint
     if problem := _check_paths(directory, manifest):
         return _rejected(problem, manifest, fp, check="paths")
     if size_verdict := _check_sizes(directory, manifest):
         return Verdict(size_verdict.status, size_verdict.reason, manifest, fp, size_verdict.details)
-    weights = [directory / e.path for e in manifest.files if _is_weight(e.path)]
+    weights = [directory / e.path for e in manifest.files if is_weight(e.path)]
     if problem := _check_headers(directory, weights):
         return _rejected(problem, manifest, fp, check="headers")
     if serving is not None:
@@ -238,7 +227,6 @@ def _check(directory: Path, serving: layout.Layout | None, options: GateOptions,
             )
     if options.verify_digests and (problem := _check_digests(directory, manifest, options.digest_threads)):
         return _rejected(problem, manifest, fp, check="digests")
-    again = _read_manifest_bytes(directory)
-    if again is None or fingerprint_of(again[0]) != fp:
-        return _pending("manifest changed while it was being checked")
+    if completeness.fingerprint(directory, options.convention) != fp:
+        return _pending("checkpoint changed while it was being checked")
     return Verdict("ready", "", manifest, fp)

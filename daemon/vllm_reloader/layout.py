@@ -71,6 +71,27 @@ def read_header(path: Path) -> dict[str, TensorSpec]:
         raise LayoutUnreadable(f"{path.name}: unreadable safetensors header") from exc
 
 
+def file_size_from_header(path: Path) -> int | None:
+    """The size a safetensors file has when whole, from its header; None while the header
+    itself is not all there yet (a writer still at it). Raises `LayoutUnreadable`."""
+    with path.open("rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            return None
+        (length,) = struct.unpack("<Q", prefix)
+        if length > MAX_HEADER_BYTES:
+            raise LayoutUnreadable(f"{path.name}: safetensors header too large")
+        raw = f.read(length)
+    if len(raw) < length:
+        return None
+    try:
+        header = json.loads(raw)
+        ends = [int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"]
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+        raise LayoutUnreadable(f"{path.name}: unreadable safetensors header") from exc
+    return int(8 + length + max(ends, default=0))
+
+
 def read_arch(directory: Path) -> dict[str, object]:
     path = directory / "config.json"
     if not path.exists():

@@ -6,8 +6,10 @@ the engine will read. The format is public (see README); `format_version` guards
 
 from __future__ import annotations
 
-from typing import Literal
+import hashlib
+from typing import Any, Literal
 
+import blake3
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MANIFEST_NAME = "manifest.json"
@@ -60,3 +62,20 @@ def parse(data: bytes) -> Manifest:
 
 def dumps(manifest: Manifest) -> bytes:
     return (manifest.model_dump_json(exclude_none=True, indent=1) + "\n").encode()
+
+
+def hashers(entry: ManifestFile) -> dict[str, Any]:
+    """A fresh hasher per digest the entry lists, to feed the file's bytes in order."""
+    found: dict[str, Any] = {}
+    if entry.sha256:
+        found["sha256"] = hashlib.sha256()
+    if entry.blake3:
+        found["blake3"] = blake3.blake3()
+    return found
+
+
+def digest_mismatch(entry: ManifestFile, fed: dict[str, Any]) -> str | None:
+    for name, state in fed.items():
+        if state.hexdigest() != getattr(entry, name):
+            return f"{entry.path}: {name} mismatch"
+    return None

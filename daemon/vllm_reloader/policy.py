@@ -57,3 +57,12 @@ def to_try(
         if (serving is None or c.key > serving) and rejected.get(c.name) != c.fingerprint
     ]
     return sorted(eligible, key=lambda c: c.key, reverse=True)
+
+
+def to_prune(candidates: Mapping[str, Candidate], *, protected: set[str], keep: int) -> list[str]:
+    """Downloaded checkpoints to delete: all but the protected ones (serving, last good,
+    pinned, in flight, the engine's startup model) and the `keep` newest others."""
+    others = sorted(
+        (c for c in candidates.values() if c.name not in protected), key=lambda c: c.key, reverse=True
+    )
+    return [c.name for c in others[keep:]]

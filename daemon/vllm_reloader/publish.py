@@ -1,8 +1,12 @@
 """The producer side: place a checkpoint into a root so that it appears whole or not at all.
 
-Files go to `ROOT/.incoming-NAME/` (ignored by the daemon), each fsynced; the manifest is
-written last and fsynced; then one rename makes `ROOT/NAME` appear, and ROOT is fsynced so
-the rename survives a crash. A failure removes the incoming directory.
+Into an object store (`publish_remote`): every file is uploaded first, the manifest last
+with a conditional create (`If-None-Match: *`), so a version is never overwritten and the
+daemon, which only looks at manifests, never sees a checkpoint before its files.
+
+Into a local root (`publish`): files go to `ROOT/.incoming-NAME/` (ignored by the daemon),
+each fsynced; the manifest is written last and fsynced; then one rename makes `ROOT/NAME`
+appear, and ROOT is fsynced so the rename survives a crash. A failure removes the incoming directory.
 """
 
 from __future__ import annotations
@@ -71,14 +75,39 @@ def _place(src: Path, dst: Path, *, move: bool) -> tuple[str, bool]:
     return _copy_and_hash(src, dst), False
 
 
+def publish_remote(
+    src: Path, url: str, *, name: str | None = None, step: int | None = None, endpoint_url: str | None = None
+) -> str:
+    from .objstore import Store  # the local publish needs no object-store client
+
+    if not src.is_dir():
+        raise PublishError(f"{src}: not a directory")
+    name = _checked_name(name or default_name(src, step))
+    store = Store(url, endpoint_url=endpoint_url)
+    if store.exists(f"{name}/{MANIFEST_NAME}"):
+        raise PublishError(f"{store.url}/{name} already exists; versions are never overwritten")
+    entries = []
+    for path in _source_files(src):
+        relative = path.relative_to(src).as_posix()
+        entries.append(ManifestFile(path=relative, size=path.stat().st_size, blake3=_hash_and_sync(path)))
+        store.put(f"{name}/{relative}", path)
+    manifest = Manifest(format_version=1, version=name, step=step, files=tuple(entries))
+    store.put(f"{name}/{MANIFEST_NAME}", dumps(manifest), create_only=True)
+    return f"{store.url}/{name}"
+
+
+def _checked_name(name: str) -> str:
+    if name.startswith(".") or "/" in name or name in ("", ".."):
+        raise PublishError(f"{name!r}: not a valid version name")
+    return name
+
+
 def publish(
     src: Path, root: Path, *, name: str | None = None, step: int | None = None, move: bool = False
 ) -> Path:
     if not src.is_dir():
         raise PublishError(f"{src}: not a directory")
-    name = name or default_name(src, step)
-    if name.startswith(".") or "/" in name or name in ("", ".."):
-        raise PublishError(f"{name!r}: not a valid version name")
+    name = _checked_name(name or default_name(src, step))
     final = root / name
     if final.exists():
         raise PublishError(f"{final} already exists; versions are never overwritten")

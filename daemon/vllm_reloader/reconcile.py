@@ -10,7 +10,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from . import gate, layout, policy
+from . import completeness, layout, policy
+from .completeness import Convention
 from .engine import RELOADING_PREFIX, STARTUP_VERSION
 from .manifest import MANIFEST_NAME, ManifestInvalid, ManifestNotJSON
 from .manifest import parse as parse_manifest
@@ -19,8 +20,18 @@ from .state import Loaded
 MAX_MANIFEST_BYTES = 16 << 20
 
 
-def peek(directory: Path) -> policy.Candidate:
-    """Name, step and manifest fingerprint: enough to order candidates without gating them."""
+def peek(directory: Path, mode: completeness.Mode = "manifest") -> policy.Candidate:
+    """Name, step and fingerprint: enough to order candidates without gating them.
+
+    Foreign writers' checkpoints have no step of ours: they order by name (`checkpoint-900`
+    < `checkpoint-1000`)."""
+    if mode != "manifest":
+        try:
+            return policy.Candidate(
+                directory.name, None, completeness.fingerprint(directory, Convention(mode))
+            )
+        except OSError:
+            return policy.Candidate(directory.name, None, "")
     try:
         data = (directory / MANIFEST_NAME).read_bytes()[:MAX_MANIFEST_BYTES]
     except OSError:
@@ -29,7 +40,7 @@ def peek(directory: Path) -> policy.Candidate:
         step = parse_manifest(data).step
     except (ManifestNotJSON, ManifestInvalid):
         step = None
-    return policy.Candidate(directory.name, step, gate.fingerprint_of(data))
+    return policy.Candidate(directory.name, step, completeness.fingerprint_of(data))
 
 
 def version_of(directory: Path) -> str:

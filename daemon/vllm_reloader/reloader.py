@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import gate, layout, log, policy, reconcile, source
+from . import gate, layout, log, policy, reconcile, remote, source
 from . import state as state_store
 from .config import Config
 from .engine import RELOADING_PREFIX, STARTUP_VERSION, EngineClient, ReloadFailed, Target
@@ -33,6 +33,7 @@ class Reloader:
         self.candidates: dict[str, policy.Candidate] = {}
         self.last_report: dict[str, tuple[str, str]] = {}
         self.baseline: layout.Layout | None = None
+        self.startup: str | None = None
         self.reconciled = False
         self.resume_owed = False
         self.backoff = config.engine.retry_initial
@@ -50,7 +51,7 @@ class Reloader:
 
     @property
     def root(self) -> Path:
-        return self.config.source.path
+        return self.config.checkpoint_root
 
     def next_deadline(self) -> float:
         deadlines = [self.next_rescan]
@@ -110,14 +111,14 @@ class Reloader:
                 continue
             if name not in self.candidates:
                 self.log.info("checkpoint.seen", name=name, path=str(directory))
-            self.candidates[name] = reconcile.peek(directory)
+            self.candidates[name] = reconcile.peek(directory, self.config.source.completeness)
 
     # -- engine: what is loaded, and loading ------------------------------------------------
 
     def _reconcile(self) -> None:
         """Learn what the engine serves, so nothing is reloaded needlessly after a restart."""
         version = self.client.weight_version()
-        startup = self.client.startup_model()
+        startup = self.startup = self.client.startup_model()
         self._rescan()
         serving = reconcile.serving(
             version, startup, known=self.state.serving, root=self.root, candidates=self.candidates
@@ -154,17 +155,18 @@ class Reloader:
         self._set_serving(None)
         self._load(policy.Candidate(good.name, good.step, ""), good.version, good.path, 0)
 
+    def serving_key(self) -> policy.OrderKey | None:
+        """Where the serving checkpoint sits in the order; None: outside the root (all are newer)."""
+        serving = self.state.serving
+        return policy.order_key(serving.name, serving.step) if serving and serving.in_root else None
+
     def _advance(self) -> None:
         if self.baseline is None or self.in_flight is not None:
             return
         serving = self.state.serving
-        key = policy.order_key(serving.name, serving.step) if serving and serving.in_root else None
+        key = self.serving_key()
         rejected = {name: r.fingerprint for name, r in self.state.rejected.items()}
-        options = gate.GateOptions(
-            verify_digests=self.config.gate.verify_digests,
-            digest_threads=self.config.gate.digest_threads,
-            manifest_grace=self.config.source.manifest_grace,
-        )
+        options = gate.GateOptions.from_config(self.config)
         self.next_recheck = None
         if self.state.pinned is not None:
             # An operator's choice: load exactly that one (older or not), then hold still.
@@ -187,7 +189,7 @@ class Reloader:
                 self.next_recheck = time.monotonic() + self.config.source.pending_recheck_interval
             elif verdict.status == "rejected":
                 self.last_report.pop(candidate.name, None)
-                self._reject(
+                self.reject(
                     candidate.name,
                     verdict.manifest.version if verdict.manifest else None,
                     verdict.reason,
@@ -247,7 +249,7 @@ class Reloader:
                 "reload.failed", version=version, path=path, reason=str(error), restored=error.restored
             )
             if error.engine_up:
-                self._reject(
+                self.reject(
                     job.candidate.name,
                     version,
                     f"reload_weights failed: {error}",
@@ -265,6 +267,7 @@ class Reloader:
             name=job.candidate.name, version=version, path=path, since=time.time(), step=job.candidate.step
         )
         self._set_serving(loaded, last_good=loaded)
+        self.prune_cache()
         self.metrics.reload_seconds.observe(outcome.seconds)
         self.metrics.bytes_reloaded.inc(job.size)
         self.last_reload = {
@@ -342,6 +345,20 @@ class Reloader:
             self._retry_resume()
         self.client.close()
 
+    def prune_cache(self) -> None:
+        """Downloads only (a local root is the trainer's): keep what serves or may be rolled back to."""
+        if not self.config.source.remote:
+            return
+        protected = {
+            loaded.name for loaded in (self.state.serving, self.state.last_good) if loaded is not None
+        } | {self.state.pinned or "", self.in_flight.candidate.name if self.in_flight else ""}
+        if self.startup and Path(self.startup).parent == self.root:
+            protected.add(Path(self.startup).name)
+        doomed = policy.to_prune(self.candidates, protected=protected, keep=self.config.state.keep)
+        for name in remote.prune(self.root, doomed):
+            self.candidates.pop(name, None)
+            self.log.info("cache.pruned", name=name, kept=sorted(protected - {""}))
+
     def _set_serving(self, serving: Loaded | None, *, last_good: Loaded | None = None) -> None:
         if serving is not None and serving.step is not None:
             self.metrics.serving_step.set(serving.step)
@@ -350,7 +367,7 @@ class Reloader:
             update["last_good"] = last_good
         self._save(self.state.model_copy(update=update))
 
-    def _reject(self, name: str, version: str | None, reason: str, fingerprint: str, **details: Any) -> None:
+    def reject(self, name: str, version: str | None, reason: str, fingerprint: str, **details: Any) -> None:
         version = version or name
         self.metrics.rejected.labels(check=details.get("check", "")).inc()
         self.log.warning("checkpoint.rejected", name=name, version=version, reason=reason, **details)

@@ -18,12 +18,19 @@ from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 from watchdog.observers.polling import PollingObserver
 
+# Names trainers write while a checkpoint is not done yet, never candidates themselves
+# (dot-directories neither): Orbax's temporary directories, HF Trainer's, partial files, and
+# NeMo's `<name>-unfinished` marker (which also holds `<name>` pending; see `gate`).
+ALWAYS_IGNORED = ("*.orbax-checkpoint-tmp-*", "tmp-checkpoint-*", "*.tmp", "*.partial", "*-unfinished")
+UNFINISHED_SUFFIX = "-unfinished"
+
 # Filesystems on which inotify does not see writes made by other hosts.
 NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "ceph", "glusterfs", "lustre", "gpfs")
 
 
-def is_ignored(name: str, ignore: Iterable[str]) -> bool:
-    return name.startswith(".") or any(fnmatch.fnmatchcase(name, pattern) for pattern in ignore)
+def is_ignored(name: str, ignore: Iterable[str] = ()) -> bool:
+    patterns = (*ALWAYS_IGNORED, *ignore)
+    return name.startswith(".") or any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
 
 
 def candidate_name(root: Path, path: str, ignore: Iterable[str]) -> str | None:
@@ -35,6 +42,8 @@ def candidate_name(root: Path, path: str, ignore: Iterable[str]) -> str | None:
     if not relative.parts:
         return None
     name = relative.parts[0]
+    if name.endswith(UNFINISHED_SUFFIX):  # NeMo's marker coming or going concerns `<name>`
+        name = name.removesuffix(UNFINISHED_SUFFIX)
     return None if is_ignored(name, ignore) else name
 
 
