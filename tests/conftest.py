@@ -45,6 +45,15 @@ def write_weights(
     return paths
 
 
+def hf_index(shards: list[Path]) -> bytes:
+    """The `model.safetensors.index.json` HF `save_pretrained` writes after its shards."""
+    from vllm_reloader.layout import read_header
+
+    weight_map = {tensor: path.name for path in shards for tensor in read_header(path)}
+    total = sum(p.stat().st_size for p in shards)
+    return json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode()
+
+
 def write_manifest(
     directory: Path,
     *,

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import structlog
 
+from conftest import hf_index, write_weights
 from fake_engine import FakeEngine, error, unreachable
 from vllm_reloader import config, state
+from vllm_reloader.completeness import INDEX_NAME
 from vllm_reloader.daemon import Daemon
 from vllm_reloader.engine import RELOADING_PREFIX
 from vllm_reloader.publish import publish
@@ -214,3 +216,17 @@ def test_daemon_resumes_engine_left_paused_by_a_killed_daemon(start, root, make_
     running = start(engine)
     running.wait_for("engine.resumed")
     assert not engine.paused
+
+
+def test_daemon_reloads_a_checkpoint_hf_wrote_without_a_manifest(start, root, tmp_path):
+    write_weights(root / "checkpoint-100")
+    engine = FakeEngine(startup=str(root / "checkpoint-100"))
+    running = start(engine, completeness="hf-index")
+    running.wait_for("engine.reconciled", version="checkpoint-100")
+    target = root / "checkpoint-200"
+    shards = write_weights(target, seed=2, shards=2)  # save_pretrained: shards first...
+    time.sleep(0.2)
+    assert not running.events("reload.started")
+    (target / INDEX_NAME).write_bytes(hf_index(shards))  # ...the index last
+    running.wait_for("reload.succeeded", version="checkpoint-200")
+    assert engine.loaded == str(target)
