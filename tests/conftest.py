@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-pytest_plugins = ["service_fixtures"]
+pytest_plugins = ["service_fixtures", "store_fixtures"]
 
 TENSORS: Mapping[str, tuple[int, ...]] = {
     "model.embed_tokens.weight": (16, 8),

@@ -9,6 +9,7 @@ store's error code (`NoSuchBucket`, `InvalidAccessKeyId`, ...).
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +49,10 @@ class Store:
         config: dict[str, Any] = {}
         if endpoint_url:
             config["base_url" if url.startswith("gs://") else "endpoint"] = endpoint_url
-            options["allow_http"] = endpoint_url.startswith("http://")
+        # Passing client options replaces the ones obstore reads from the env: keep AWS_ALLOW_HTTP.
+        options["allow_http"] = (endpoint_url or "").startswith("http://") or os.environ.get(
+            "AWS_ALLOW_HTTP", ""
+        ).lower() in ("1", "true")
         try:
             self._store = from_url(  # type: ignore[call-overload]
                 self.url, client_options=options, retry_config={"max_retries": 2}, **config

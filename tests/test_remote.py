@@ -1,0 +1,238 @@
+"""The object-store source against moto's real S3 wire protocol on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+
+from conftest import MakeCheckpoint, write_manifest
+from store_fixtures import Bucket, new_bucket
+from vllm_reloader import config, gate
+from vllm_reloader.objstore import Object, Store
+from vllm_reloader.remote import Remote, RemoteSource, judge
+
+
+class Harness:
+    def __init__(self, tmp_path: Path, bucket_url: str, **state: Any) -> None:
+        self.cfg = config.Config(
+            source=config.SourceConfig(path=bucket_url, part_size=4096, download_concurrency=4),
+            engine=config.EngineConfig(url="http://127.0.0.1:1"),
+            state=config.StateConfig(dir=tmp_path / "state", **{"min_free_bytes": 0, **state}),
+        )
+        self.posted: list[tuple[str, Any]] = []
+        self.serving_key = None
+        self.source = RemoteSource(
+            self.cfg, serving=lambda: self.serving_key, rejected=dict, post=self.posted.append
+        )
+
+    @property
+    def root(self) -> Path:
+        return self.cfg.checkpoint_root
+
+    def fetched(self) -> list[str]:
+        return [value for kind, value in self.posted if kind == "fetched"]
+
+    def rejected(self) -> list[dict[str, Any]]:
+        return [value for kind, value in self.posted if kind == "rejected"]
+
+
+@pytest.fixture
+def checkpoint(make_checkpoint: MakeCheckpoint, tmp_path: Path) -> Path:
+    """Three shards of a few KiB each: several ranged GETs apiece at part_size 4096."""
+    return make_checkpoint("step-5", step=5, root=tmp_path / "src", shards=3)
+
+
+def test_remote_manifest_uploaded_last_is_the_signal(tmp_path, bucket: Bucket, checkpoint: Path):
+    harness = Harness(tmp_path, bucket.url)
+    bucket.upload_dir(checkpoint, "step-5", skip=("manifest.json",))
+    harness.source.poll()
+    assert harness.posted == [] and not harness.root.exists()
+    bucket.put("step-5/manifest.json", (checkpoint / "manifest.json").read_bytes())
+    with structlog.testing.capture_logs() as logs:
+        harness.source.poll()
+    assert harness.fetched() == ["step-5"]
+    placed = harness.root / "step-5"
+    assert gate.check(placed, serving=None).status == "ready"
+    for path in checkpoint.iterdir():
+        assert (placed / path.name).read_bytes() == path.read_bytes()
+    finished = next(e for e in logs if e["event"] == "download.finished")
+    assert finished["bytes"] == sum(p.stat().st_size for p in checkpoint.iterdir() if p.name != "manifest.json")
+    assert not (harness.cfg.cache_dir / "staging" / "step-5").exists()
+
+
+def test_remote_shard_still_uploading_is_pending_then_loads(tmp_path, bucket: Bucket, checkpoint: Path):
+    harness = Harness(tmp_path, bucket.url)
+    late = sorted(checkpoint.glob("*.safetensors"))[-1].name
+    bucket.upload_dir(checkpoint, "step-5", skip=(late,))  # a writer that sends the manifest early
+    with structlog.testing.capture_logs() as logs:
+        harness.source.poll()
+        harness.source.poll()
+    pending = [e for e in logs if e["event"] == "checkpoint.pending"]
+    assert len(pending) == 1 and late in pending[0]["reason"], "one line per change, not per poll"
+    assert harness.source.pending == {"step-5": pending[0]["reason"]}
+    assert harness.fetched() == []
+    bucket.put(f"step-5/{late}", (checkpoint / late).read_bytes())
+    harness.source.poll()
+    assert harness.fetched() == ["step-5"] and harness.source.pending == {}
+
+
+def test_remote_wrong_digest_is_rejected_and_never_placed(tmp_path, bucket: Bucket, checkpoint: Path):
+    harness = Harness(tmp_path, bucket.url)
+    shard = sorted(checkpoint.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # same size, other bytes: moto stores it without complaint
+    bucket.upload_dir(checkpoint, "step-5", skip=(shard.name, "manifest.json"))
+    bucket.put(f"step-5/{shard.name}", bytes(data))
+    bucket.put("step-5/manifest.json", (checkpoint / "manifest.json").read_bytes())
+    harness.source.poll()
+    (rejection,) = harness.rejected()
+    assert rejection["name"] == "step-5" and rejection["check"] == "digests"
+    assert f"{shard.name}: blake3 mismatch" in rejection["reason"]
+    assert not (harness.root / "step-5").exists()
+    assert not (harness.cfg.cache_dir / "staging" / "step-5").exists()
+    harness.source.poll()
+    assert len(harness.rejected()) == 1, "not downloaded again until the manifest changes"
+
+
+def test_remote_only_newer_than_serving_and_newest_first(tmp_path, bucket: Bucket, make_checkpoint):
+    harness = Harness(tmp_path, bucket.url)
+    for step in (3, 4, 6):
+        bucket.upload_dir(make_checkpoint(f"step-{step}", step=step, root=tmp_path / "src"), f"step-{step}")
+    from vllm_reloader.policy import order_key
+
+    harness.serving_key = order_key("step-4", 4)
+    harness.source.poll()
+    harness.source.poll()
+    assert harness.fetched() == ["step-6"], "one download per poll, the newest; never older than serving"
+
+
+def test_remote_wrong_credentials_one_clear_line_and_keeps_polling(
+    tmp_path, bucket: Bucket, checkpoint: Path, s3_auth_enforced
+):
+    harness = Harness(tmp_path, bucket.url)
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(3):
+            harness.source.poll()
+    failed = [e for e in logs if e["event"] == "source.failed"]
+    assert len(failed) == 1, logs
+    assert "InvalidAccessKeyId" in failed[0]["reason"] and "\n" not in failed[0]["reason"]
+    assert failed[0]["reason"].startswith(f"LIST {bucket.url}")
+
+
+def test_remote_recovers_when_credentials_start_working(tmp_path, bucket: Bucket, checkpoint: Path):
+    from moto import settings
+
+    bucket.upload_dir(checkpoint, "step-5")
+    harness = Harness(tmp_path, bucket.url)
+    before = settings.INITIAL_NO_AUTH_ACTION_COUNT
+    settings.INITIAL_NO_AUTH_ACTION_COUNT = 0
+    try:
+        with structlog.testing.capture_logs() as logs:
+            harness.source.poll()
+    finally:
+        settings.INITIAL_NO_AUTH_ACTION_COUNT = before
+    assert [e["event"] for e in logs] == ["source.failed"]
+    with structlog.testing.capture_logs() as logs:
+        harness.source.poll()
+    assert "source.recovered" in [e["event"] for e in logs]
+    assert harness.fetched() == ["step-5"]
+
+
+def test_remote_missing_bucket_is_reported_once_then_picked_up(tmp_path, s3_env, checkpoint: Path):
+    bucket = new_bucket(s3_env, create=False)
+    harness = Harness(tmp_path, bucket.url)
+    with structlog.testing.capture_logs() as logs:
+        harness.source.poll()
+        harness.source.poll()
+    (failed,) = [e for e in logs if e["event"] == "source.failed"]
+    assert "NoSuchBucket" in failed["reason"]
+    bucket.client.create_bucket(Bucket=bucket.name)
+    bucket.upload_dir(checkpoint, "step-5")
+    harness.source.poll()
+    assert harness.fetched() == ["step-5"]
+
+
+def test_remote_unreachable_store_is_one_line(tmp_path, monkeypatch, checkpoint: Path):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    cfg_url = "s3://nowhere/runs"
+    harness = Harness(tmp_path, cfg_url)
+    harness.source.store = Store(cfg_url, endpoint_url="http://127.0.0.1:9", timeout=2)
+    with structlog.testing.capture_logs() as logs:
+        harness.source.poll()
+    (failed,) = [e for e in logs if e["event"] == "source.failed"]
+    assert failed["reason"].startswith("LIST s3://nowhere/runs") and "\n" not in failed["reason"]
+
+
+def test_remote_short_of_disk_space_says_so_and_starts_nothing(tmp_path, bucket: Bucket, checkpoint: Path):
+    bucket.upload_dir(checkpoint, "step-5")
+    harness = Harness(tmp_path, bucket.url, min_free_bytes=1 << 60)
+    with structlog.testing.capture_logs() as logs:
+        harness.source.poll()
+        harness.source.poll()
+    (failed,) = [e for e in logs if e["event"] == "download.failed"]
+    assert failed["reason"].startswith("not enough space in ") and "GB is free" in failed["reason"]
+    assert harness.fetched() == [] and not (harness.root / "step-5").exists()
+
+
+def test_remote_manifest_refetched_only_when_its_etag_changes(tmp_path, bucket: Bucket, checkpoint: Path):
+    harness = Harness(tmp_path, bucket.url)
+    bucket.upload_dir(checkpoint, "step-5", skip=(sorted(checkpoint.glob("*.safetensors"))[0].name,))
+    gets: list[str] = []
+    real_get = harness.source.store.get
+    harness.source.store.get = lambda key: (gets.append(key), real_get(key))[1]  # type: ignore[method-assign]
+    for _ in range(3):
+        harness.source.poll()
+    assert gets == ["step-5/manifest.json"]
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["step"] = 6
+    bucket.put("step-5/manifest.json", json.dumps(manifest).encode())
+    harness.source.poll()
+    assert gets == ["step-5/manifest.json"] * 2
+
+
+def test_judge_rejects_unsafe_paths_and_oversized_objects():
+    def remote(files: list[dict[str, Any]]) -> Remote:
+        data = json.dumps({"format_version": 1, "files": files}).encode()
+        from vllm_reloader.manifest import parse
+
+        return Remote('"e"', data, parse(data))
+
+    unsafe = judge(remote([{"path": "../x.safetensors", "size": 1}]), {})
+    assert unsafe is not None and unsafe.status == "rejected" and unsafe.check == "paths"
+    big = judge(remote([{"path": "a.safetensors", "size": 1}]), {"a.safetensors": Object(2, '"e"')})
+    assert big is not None and big.status == "rejected" and big.check == "sizes"
+    short = judge(remote([{"path": "a.safetensors", "size": 3}]), {"a.safetensors": Object(2, '"e"')})
+    assert short is not None and short.status == "pending"
+    assert judge(remote([{"path": "a.safetensors", "size": 2}]), {"a.safetensors": Object(2, '"e"')}) is None
+
+
+def test_remote_ignores_temporary_names_in_the_store(tmp_path, bucket: Bucket, checkpoint: Path):
+    harness = Harness(tmp_path, bucket.url)
+    bucket.upload_dir(checkpoint, "tmp-checkpoint-5")
+    bucket.upload_dir(checkpoint, ".staging-5")
+    harness.source.poll()
+    assert harness.posted == [] and harness.source.seen == {}
+
+
+def test_remote_manifest_that_is_not_json_is_rejected_at_once(tmp_path, bucket: Bucket, checkpoint: Path):
+    harness = Harness(tmp_path, bucket.url)
+    bucket.upload_dir(checkpoint, "step-5", skip=("manifest.json",))
+    bucket.put("step-5/manifest.json", b'{"format_version": 1, "fil')
+    harness.source.poll()
+    (rejection,) = harness.rejected()
+    assert rejection["check"] == "manifest" and "not valid JSON" in rejection["reason"]
+
+
+def test_remote_version_written_by_publish_keeps_its_manifest_bytes(tmp_path, bucket: Bucket, checkpoint):
+    write_manifest(checkpoint, step=5)
+    harness = Harness(tmp_path, bucket.url)
+    bucket.upload_dir(checkpoint, "step-5")
+    harness.source.poll()
+    placed = harness.root / "step-5" / "manifest.json"
+    assert placed.read_bytes() == (checkpoint / "manifest.json").read_bytes(), "same fingerprint locally"
