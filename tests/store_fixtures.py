@@ -37,7 +37,7 @@ class Bucket:
             if path.is_file() and relative not in skip:
                 self.put(f"{name}/{relative}", path.read_bytes())
 
-    def keys(self) -> list[str]:
+    def listed(self) -> list[str]:
         listed = self.client.list_objects_v2(Bucket=self.name, Prefix="runs/")
         return [item["Key"].removeprefix("runs/") for item in listed.get("Contents", [])]
 

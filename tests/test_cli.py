@@ -58,3 +58,23 @@ def test_cli_publish_into_existing_version_exits_1(tmp_path, capsys):
     assert main(["publish", str(src), "--into", str(tmp_path / "root"), "--version", "v"]) == 0
     assert main(["publish", str(src), "--into", str(tmp_path / "root"), "--version", "v"]) == 1
     assert "already exists" in capsys.readouterr().err
+
+
+def test_cli_publish_into_s3_prints_the_url_and_refuses_a_second_time(tmp_path, bucket):
+    write_weights(tmp_path / "out")
+    first = cli("publish", str(tmp_path / "out"), "--into", bucket.url, "--step", "7")
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.strip() == f"{bucket.url}/step-7"
+    assert "step-7/manifest.json" in bucket.listed()
+    again = cli("publish", str(tmp_path / "out"), "--into", bucket.url, "--step", "7")
+    assert again.returncode == 1 and "already exists" in again.stderr and again.stderr.count("\n") == 1
+
+
+def test_cli_verify_knows_the_foreign_conventions(tmp_path):
+    from conftest import hf_index
+
+    shards = write_weights(tmp_path / "hf", shards=2)
+    assert cli("verify", str(tmp_path / "hf"), "--completeness", "hf-index").returncode == 1
+    (tmp_path / "hf" / "model.safetensors.index.json").write_bytes(hf_index(shards))
+    result = cli("verify", str(tmp_path / "hf"), "--completeness", "hf-index")
+    assert result.returncode == 0 and result.stdout.startswith("ready:"), result.stdout

@@ -64,3 +64,37 @@ def test_publish_failure_leaves_nothing_behind_and_keeps_moved_files(src, tmp_pa
 def test_publish_rejects_bad_names(src, tmp_path):
     with pytest.raises(PublishError, match="not a valid version name"):
         publish(src, tmp_path / "root", name=".hidden")
+
+
+def test_publish_into_s3_uploads_files_first_and_manifest_last(src, bucket, monkeypatch):
+    from vllm_reloader.objstore import Store
+    from vllm_reloader.publish import publish_remote
+
+    order: list[str] = []
+    real_put = Store.put
+
+    def recording_put(self, key, data, *, create_only=False):
+        order.append(f"{key}{' (create only)' if create_only else ''}")
+        return real_put(self, key, data, create_only=create_only)
+
+    monkeypatch.setattr(Store, "put", recording_put)
+    url = publish_remote(src, bucket.url, step=3)
+    assert url == f"{bucket.url}/step-3"
+    assert order[-1] == "step-3/manifest.json (create only)"
+    assert sorted(order[:-1]) == sorted(f"step-3/{p.name}" for p in src.iterdir())
+    manifest = json.loads(
+        bucket.client.get_object(Bucket=bucket.name, Key="runs/step-3/manifest.json")["Body"].read()
+    )
+    assert manifest["step"] == 3 and all(len(f["blake3"]) == 64 for f in manifest["files"])
+
+
+def test_publish_into_s3_never_overwrites_a_version(src, bucket):
+    from vllm_reloader.objstore import Store
+    from vllm_reloader.publish import publish_remote
+
+    publish_remote(src, bucket.url, name="v1")
+    with pytest.raises(PublishError, match="already exists"):
+        publish_remote(src, bucket.url, name="v1")
+    # Two publishers racing past the existence check: the conditional create still refuses.
+    with pytest.raises(PublishError, match="never overwritten"):
+        Store(bucket.url).put("v1/manifest.json", b"{}", create_only=True)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import queue
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -10,8 +13,10 @@ import pytest
 import structlog
 
 from conftest import MakeCheckpoint, write_manifest
+from fake_engine import FakeEngine, FakeEngineServer
 from store_fixtures import Bucket, new_bucket
 from vllm_reloader import config, gate
+from vllm_reloader.daemon import Daemon
 from vllm_reloader.objstore import Object, Store
 from vllm_reloader.remote import Remote, RemoteSource, judge
 
@@ -60,7 +65,9 @@ def test_remote_manifest_uploaded_last_is_the_signal(tmp_path, bucket: Bucket, c
     for path in checkpoint.iterdir():
         assert (placed / path.name).read_bytes() == path.read_bytes()
     finished = next(e for e in logs if e["event"] == "download.finished")
-    assert finished["bytes"] == sum(p.stat().st_size for p in checkpoint.iterdir() if p.name != "manifest.json")
+    assert finished["bytes"] == sum(
+        p.stat().st_size for p in checkpoint.iterdir() if p.name != "manifest.json"
+    )
     assert not (harness.cfg.cache_dir / "staging" / "step-5").exists()
 
 
@@ -236,3 +243,91 @@ def test_remote_version_written_by_publish_keeps_its_manifest_bytes(tmp_path, bu
     harness.source.poll()
     placed = harness.root / "step-5" / "manifest.json"
     assert placed.read_bytes() == (checkpoint / "manifest.json").read_bytes(), "same fingerprint locally"
+
+
+# -- the daemon with an object-store source ------------------------------------------------
+
+
+def remote_daemon(
+    tmp_path: Path, bucket: Bucket, engine: FakeEngine, **state: Any
+) -> tuple[Daemon, threading.Thread]:
+    cfg = config.Config(
+        source=config.SourceConfig(path=bucket.url, poll_interval=0.1, pending_recheck_interval=0.05),
+        engine=config.EngineConfig(url="http://engine.test", retry_initial=0.05, retry_max=0.2),
+        state=config.StateConfig(dir=tmp_path / "state", **{"min_free_bytes": 0, **state}),
+    )
+    daemon = Daemon(cfg, client=engine.client(retry_initial=0.05))
+    thread = threading.Thread(target=daemon.run, daemon=True)
+    thread.start()
+    return daemon, thread
+
+
+def wait_for(logs: list[dict], event: str, timeout: float = 15.0, **fields: object) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if found := [e for e in list(logs) if e["event"] == event and fields.items() <= e.items()]:
+            return found[-1]
+        time.sleep(0.02)
+    raise AssertionError(f"no {event} {fields} in {[e['event'] for e in logs]}")
+
+
+def test_daemon_loads_from_the_bucket_and_keeps_only_what_it_may_need(
+    tmp_path, bucket: Bucket, make_checkpoint: MakeCheckpoint
+):
+    from vllm_reloader.publish import publish_remote
+
+    startup = make_checkpoint("startup", root=tmp_path / "models")
+    engine = FakeEngine(startup=str(startup))
+    with structlog.testing.capture_logs() as logs:
+        daemon, thread = remote_daemon(tmp_path, bucket, engine, keep=1)
+        try:
+            wait_for(logs, "engine.reconciled")
+            for step in (2, 3, 4):
+                src = make_checkpoint(f"out-{step}", root=tmp_path / "trainer", seed=step)
+                publish_remote(src, bucket.url, step=step)
+                wait_for(logs, "reload.succeeded", version=f"step-{step}")
+                assert engine.loaded == str(daemon.config.checkpoint_root / f"step-{step}")
+            wait_for(logs, "cache.pruned", name="step-2")
+            assert sorted(p.name for p in daemon.config.checkpoint_root.iterdir()) == ["step-3", "step-4"]
+            bad = make_checkpoint("out-5", root=tmp_path / "trainer", seed=5)
+            write_manifest(bad, step=5, overrides={"version": "step-5"})
+            bucket.upload_dir(bad, "step-5", skip=("manifest.json",))
+            manifest = json.loads((bad / "manifest.json").read_text())
+            manifest["files"][0]["blake3"] = "0" * 64
+            bucket.put("step-5/manifest.json", json.dumps(manifest).encode())
+            rejected = wait_for(logs, "checkpoint.rejected", name="step-5")
+            assert rejected["check"] == "digests"
+            reply: queue.SimpleQueue[dict] = queue.SimpleQueue()
+            daemon.inbox.put(("control", ({"command": "status"}, reply)))
+            status = reply.get(timeout=5)
+            assert status["serving"]["version"] == "step-4" and "step-5" in status["rejected"]
+            assert status["source"] == {"url": bucket.url, "failing": {}}
+        finally:
+            daemon.request_stop()
+            thread.join(timeout=15)
+    assert not thread.is_alive() and not engine.paused
+    assert not [c for c in engine.calls if "step-5" in c], "a rejected checkpoint never reaches the engine"
+
+
+def test_daemon_subprocess_with_wrong_credentials_logs_once_and_keeps_running(
+    tmp_path, bucket: Bucket, s3_auth_enforced
+):
+    from engine_fixtures import DaemonProcess
+
+    engine = FakeEngine(startup=str(tmp_path / "models" / "startup"))
+    server = FakeEngineServer(engine)
+    cfg = tmp_path / "daemon.toml"
+    cfg.write_text(
+        f'[source]\npath = "{bucket.url}"\npoll_interval = 0.1\n'
+        f'[engine]\nurl = "{server.url}"\n[state]\ndir = "{tmp_path / "state"}"\n[log]\nformat = "json"\n'
+    )
+    daemon = DaemonProcess(cfg)
+    try:
+        failed = daemon.wait_for("source.failed", timeout=30)
+        assert "InvalidAccessKeyId" in str(failed["reason"])
+        time.sleep(1.0)  # ~10 more polls
+        assert daemon.process.poll() is None
+        assert len(daemon.events("source.failed")) == 1
+    finally:
+        assert daemon.stop() == 0
+        server.close()

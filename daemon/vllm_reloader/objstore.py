@@ -74,7 +74,7 @@ class Store:
                 for batch in obstore.list(self._store)
                 for meta in batch
             }
-        except BaseError as exc:
+        except (BaseError, OSError) as exc:
             raise self._fail("LIST", "", exc) from exc
 
     def get(self, key: str) -> tuple[bytes, str | None]:
@@ -82,7 +82,7 @@ class Store:
         try:
             result = obstore.get(self._store, key)
             return bytes(result.bytes()), result.meta["e_tag"]
-        except BaseError as exc:
+        except (BaseError, OSError) as exc:
             raise self._fail("GET", key, exc) from exc
 
     def get_range(self, key: str, start: int, end: int, etag: str | None) -> memoryview:
@@ -92,15 +92,15 @@ class Store:
             options["if_match"] = etag
         try:
             return memoryview(obstore.get(self._store, key, options=options).bytes())  # type: ignore[arg-type]
-        except BaseError as exc:
+        except (BaseError, OSError) as exc:
             raise self._fail("GET", key, exc) from exc
 
     def exists(self, key: str) -> bool:
         try:
             obstore.head(self._store, key)
-        except NotFoundError:
+        except (NotFoundError, FileNotFoundError):  # obstore raises the builtin for a 404
             return False
-        except BaseError as exc:
+        except (BaseError, OSError) as exc:
             raise self._fail("HEAD", key, exc) from exc
         return True
 
@@ -110,5 +110,5 @@ class Store:
             obstore.put(self._store, key, data, mode="create" if create_only else "overwrite")
         except AlreadyExistsError as exc:
             raise PublishError(f"{self.url}/{key} already exists; versions are never overwritten") from exc
-        except BaseError as exc:
+        except (BaseError, OSError) as exc:
             raise self._fail("PUT", key, exc) from exc
