@@ -22,6 +22,7 @@ import pytest
 
 from conftest import write_manifest
 from engine_fixtures import DaemonProcess, Engine, daemon_config, session_engine
+from store_fixtures import Bucket
 
 pytestmark = pytest.mark.engine
 
@@ -225,3 +226,36 @@ def test_e2e_cli_pin_and_unpin_steer_the_real_engine(world: World):
         assert time.monotonic() < deadline, "unpin did not bring the newest back"
         time.sleep(0.1)
     world.assert_unchanged()
+
+
+def test_e2e_object_store_publish_reaches_the_real_engine(world: World, tmp_path: Path, bucket: Bucket):
+    """Last in the module: it stops the world's daemon first (one engine, one daemon)."""
+    from vllm_reloader.publish import publish_remote
+
+    assert world.daemon.stop() == 0
+    config = tmp_path / "remote.toml"
+    config.write_text(
+        f'[source]\npath = "{bucket.url}"\npoll_interval = 0.2\npart_size = 65536\n'
+        f'[engine]\nurl = "{world.engine.url}"\nretry_initial = 0.2\n'
+        f'[state]\ndir = "{tmp_path / "state"}"\nmin_free_bytes = 0\n[log]\nformat = "json"\n'
+    )
+    daemon = DaemonProcess(config)
+    try:
+        daemon.wait_for("engine.reconciled", version=world.serving)
+        load_a = world.expected != world.fresh_a  # publish whichever the engine is not serving
+        name = f"step-{next(_steps)}"
+        publish_remote(world.staging / ("seed-1" if load_a else "seed-2"), bucket.url, name=name, step=10**6)
+        fetched = daemon.wait_for("download.finished", name=name)
+        assert fetched["bytes"] > 0
+        daemon.wait_for("reload.succeeded", version=name, timeout=120)
+        assert world.engine.weight_version() == name
+        outputs = world.engine.complete()
+        if load_a:
+            assert outputs == world.fresh_a
+        else:
+            assert outputs != world.fresh_a
+            assert world.outputs_b is None or outputs == world.outputs_b
+        world.serving, world.expected = name, outputs
+        world.assert_unchanged()
+    finally:
+        assert daemon.stop() == 0
