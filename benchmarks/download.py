@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
         def run_ours() -> None:
             fetch(
-                store, "ckpt", dumps(manifest), manifest, listing,
+                store, "ckpt", ("manifest.json", dumps(manifest)), manifest, listing,
                 staging_root=scratch / "staging", root=scratch / "ours", plan=plan,
             )  # fmt: skip
 

@@ -38,7 +38,7 @@ def run_fetch(store: Store, tmp_path: Path, get_part=None, plan: Plan = PLAN):
     manifest = parse(data)
     objects = {e.path: listing[f"step-9/{e.path}"] for e in manifest.files}
     return fetch(
-        store, "step-9", data, manifest, objects,
+        store, "step-9", ("manifest.json", data), manifest, objects,
         staging_root=tmp_path / "cache" / "staging", root=tmp_path / "cache" / "root",
         plan=plan, get_part=get_part,
     )  # fmt: skip

@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 import structlog
 
-from conftest import MakeCheckpoint, write_manifest
+from conftest import MakeCheckpoint, hf_index, write_manifest, write_weights
 from fake_engine import FakeEngine, FakeEngineServer
 from store_fixtures import Bucket, new_bucket
-from vllm_reloader import config, gate
+from vllm_reloader import config, gate, reconcile
+from vllm_reloader.completeness import INDEX_NAME, Convention
 from vllm_reloader.daemon import Daemon
 from vllm_reloader.objstore import Object, Store
 from vllm_reloader.remote import Remote, RemoteSource, judge
@@ -208,7 +209,7 @@ def test_judge_rejects_unsafe_paths_and_oversized_objects():
         data = json.dumps({"format_version": 1, "files": files}).encode()
         from vllm_reloader.manifest import parse
 
-        return Remote('"e"', data, parse(data))
+        return Remote("manifest.json", '"e"', data, parse(data))
 
     unsafe = judge(remote([{"path": "../x.safetensors", "size": 1}]), {})
     assert unsafe is not None and unsafe.status == "rejected" and unsafe.check == "paths"
@@ -331,3 +332,76 @@ def test_daemon_subprocess_with_wrong_credentials_logs_once_and_keeps_running(
     finally:
         assert daemon.stop() == 0
         server.close()
+
+
+# -- foreign writers in the bucket ------------------------------------------------------------
+
+
+def foreign_harness(tmp_path: Path, bucket: Bucket, mode: str, **source: Any) -> Harness:
+    harness = Harness(tmp_path, bucket.url)
+    harness.cfg = harness.cfg.model_copy(
+        update={"source": harness.cfg.source.model_copy(update={"completeness": mode, **source})}
+    )
+    harness.source = RemoteSource(
+        harness.cfg, serving=lambda: None, rejected=dict, post=harness.posted.append
+    )
+    return harness
+
+
+def test_remote_hf_checkpoint_uploaded_shards_then_index(tmp_path, bucket: Bucket):
+    shards = write_weights(tmp_path / "hf" / "checkpoint-300", shards=2)
+    (tmp_path / "hf" / "checkpoint-300" / "optimizer.pt").write_bytes(b"\0" * 5000)
+    harness = foreign_harness(tmp_path, bucket, "hf-index")
+    bucket.upload_dir(tmp_path / "hf" / "checkpoint-300", "checkpoint-300")
+    harness.source.poll()
+    assert harness.posted == [], "no index yet: not a candidate"
+    index = hf_index(shards)
+    bucket.put("checkpoint-300/model.safetensors.index.json", index)
+    harness.source.poll()
+    assert harness.fetched() == ["checkpoint-300"]
+    placed = harness.root / "checkpoint-300"
+    assert sorted(p.name for p in placed.iterdir()) == sorted(
+        [*(s.name for s in shards), "config.json", INDEX_NAME]
+    )
+    options = gate.GateOptions(convention=Convention("hf-index"))
+    assert gate.check(placed, serving=None, options=options).status == "ready"
+    assert reconcile.peek(placed, "hf-index").fingerprint == harness.source.seen["checkpoint-300"].fingerprint
+
+
+def test_remote_hf_shard_with_a_short_object_is_pending(tmp_path, bucket: Bucket):
+    directory = tmp_path / "hf" / "checkpoint-1"
+    shards = write_weights(directory, shards=2)
+    harness = foreign_harness(tmp_path, bucket, "hf-index")
+    bucket.upload_dir(directory, "checkpoint-1", skip=(shards[1].name,))
+    bucket.put(f"checkpoint-1/{shards[1].name}", shards[1].read_bytes()[:-10])
+    bucket.put(f"checkpoint-1/{INDEX_NAME}", hf_index(shards))
+    harness.source.poll()
+    assert "checkpoint-1" in harness.source.pending and harness.fetched() == []
+    bucket.put(f"checkpoint-1/{shards[1].name}", shards[1].read_bytes())
+    harness.source.poll()
+    assert harness.fetched() == ["checkpoint-1"]
+
+
+def test_remote_marker_checkpoint_is_fetched_once_the_marker_is_there(tmp_path, bucket: Bucket):
+    directory = tmp_path / "orbax" / "700"
+    write_weights(directory)
+    harness = foreign_harness(tmp_path, bucket, "marker")
+    bucket.upload_dir(directory, "700")
+    harness.source.poll()
+    assert harness.fetched() == []
+    bucket.put("700/commit_success.txt", b"ok")
+    harness.source.poll()
+    assert harness.fetched() == ["700"]
+    assert (harness.root / "700" / "commit_success.txt").read_bytes() == b"ok"
+
+
+def test_remote_single_safetensors_waits_for_quiet(tmp_path, bucket: Bucket):
+    directory = tmp_path / "hf" / "final"
+    write_weights(directory)
+    bucket.upload_dir(directory, "final")
+    harness = foreign_harness(tmp_path, bucket, "hf-index", settle_seconds=3600.0)
+    harness.source.poll()
+    assert "settle" in harness.source.pending["final"]
+    harness = foreign_harness(tmp_path, bucket, "hf-index", settle_seconds=0.0)
+    harness.source.poll()
+    assert harness.fetched() == ["final"]

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import stat
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -34,6 +35,9 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 WEIGHT_SUFFIX = ".safetensors"
 MAX_LISTING_BYTES = 16 << 20
+# Besides the weights, the small files a serving directory needs (config, tokenizer, chat
+# template). A trainer's optimizer state and RNG files are neither checked nor downloaded.
+METADATA_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
 
 
 @dataclass(frozen=True)
@@ -74,24 +78,56 @@ def _read_regular(path: Path) -> tuple[bytes, float] | None:
     return path.read_bytes()[:MAX_LISTING_BYTES], info.st_mtime
 
 
-def fingerprint(directory: Path, convention: Convention) -> str:
-    """What a rejection is remembered by: it is retried only once this changes.
+def wanted(name: str, convention: Convention) -> bool:
+    """Is this top-level file part of a foreign writer's checkpoint, as far as serving goes?"""
+    return name.endswith((WEIGHT_SUFFIX, *METADATA_SUFFIXES)) or name in convention.markers
 
-    The manifest's bytes; for a foreign writer, its index or marker plus the name and size
-    of every top-level file (there is no one file that describes the checkpoint)."""
+
+def signal_name(names: Collection[str], convention: Convention) -> str | None:
+    """The file whose arrival says a checkpoint is (or may be) complete, if it is there."""
+    if convention.mode == "manifest":
+        order: tuple[str, ...] = (MANIFEST_NAME,)
+    elif convention.mode == "hf-index":
+        order = (INDEX_NAME, SINGLE_NAME)
+    else:
+        order = convention.markers
+    return next((name for name in order if name in names), None)
+
+
+def listing_fingerprint(sizes: Mapping[str, int], signal: tuple[str, bytes] | None) -> str:
+    """A foreign checkpoint's fingerprint: every wanted file's name and size, and the bytes of
+    its index or marker. Computed alike from a directory and from an object listing, so a
+    rejection made after a download is recognised before downloading it again."""
+    parts = [f"{name}\0{size}" for name, size in sorted(sizes.items())]
+    if signal is not None and signal[0] != SINGLE_NAME:
+        parts.append(signal[1][:MAX_LISTING_BYTES].hex())
+    return fingerprint_of("\n".join(parts).encode())
+
+
+def fingerprint(directory: Path, convention: Convention) -> str:
+    """What a rejection is remembered by: it is retried only once this changes."""
     if convention.mode == "manifest":
         found = _read_regular(directory / MANIFEST_NAME)
         return fingerprint_of(found[0]) if found else ""
-    parts = []
     with os.scandir(directory) as entries:
-        for entry in sorted(entries, key=lambda e: e.name):
-            if entry.is_file(follow_symlinks=False):
-                parts.append(f"{entry.name}\0{entry.stat(follow_symlinks=False).st_size}")
-    names = {p.split("\0")[0] for p in parts}
-    for special in (INDEX_NAME, *convention.markers):
-        if special in names:
-            parts.append((directory / special).read_bytes()[:MAX_LISTING_BYTES].hex())
-    return fingerprint_of("\n".join(parts).encode())
+        sizes = {
+            e.name: e.stat(follow_symlinks=False).st_size
+            for e in entries
+            if e.is_file(follow_symlinks=False) and wanted(e.name, convention)
+        }
+    signal = signal_name(sizes, convention)
+    return listing_fingerprint(sizes, (signal, (directory / signal).read_bytes()) if signal else None)
+
+
+def weights_from_index(data: bytes) -> list[str] | str:
+    """The shard names of an HF index, or why it cannot be used (not JSON: ValueError)."""
+    index = json.loads(data)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        return f"{INDEX_NAME} has no weight_map"
+    if not all(isinstance(v, str) and v for v in weight_map.values()):
+        return f"{INDEX_NAME}: weight_map values must be file names"
+    return sorted(set(weight_map.values()))
 
 
 def describe(directory: Path, convention: Convention, now: float) -> Listed | Incomplete:
@@ -141,23 +177,26 @@ def _hf_weights(directory: Path, convention: Convention, now: float, fp: str) ->
         return [SINGLE_NAME]
     data, mtime = found
     try:
-        index = json.loads(data)
+        weights = weights_from_index(data)
     except ValueError:
         if now - mtime < convention.manifest_grace:
             return Incomplete("pending", f"{INDEX_NAME} is not whole JSON yet (may still be written)", fp)
         return Incomplete("rejected", f"{INDEX_NAME} is not valid JSON", fp)
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        return Incomplete("rejected", f"{INDEX_NAME} has no weight_map", fp)
-    if not all(isinstance(v, str) and v for v in weight_map.values()):
-        return Incomplete("rejected", f"{INDEX_NAME}: weight_map values must be file names", fp)
-    return sorted(set(weight_map.values()))
+    return Incomplete("rejected", weights, fp) if isinstance(weights, str) else weights
 
 
 def _marked_weights(directory: Path, convention: Convention, fp: str) -> list[str] | Incomplete:
     if not any((directory / name).is_file() for name in convention.markers):
-        return Incomplete("pending", f"no completion marker ({', '.join(convention.markers)}) yet", fp)
-    weights = sorted(p.name for p in directory.glob("*" + WEIGHT_SUFFIX))
+        return Incomplete("pending", no_marker(convention), fp)
+    return marked_weights([p.name for p in directory.glob("*" + WEIGHT_SUFFIX)], fp)
+
+
+def no_marker(convention: Convention) -> str:
+    return f"no completion marker ({', '.join(convention.markers)}) yet"
+
+
+def marked_weights(names: Collection[str], fp: str) -> list[str] | Incomplete:
+    weights = sorted(name for name in names if "/" not in name and name.endswith(WEIGHT_SUFFIX))
     if not weights:
         return Incomplete("rejected", "marked complete but holds no .safetensors file", fp)
     return weights

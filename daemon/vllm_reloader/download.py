@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import DownloadError, SourceError
-from .manifest import MANIFEST_NAME, Manifest, ManifestFile, digest_mismatch, hashers
+from .manifest import Manifest, ManifestFile, digest_mismatch, hashers
 from .objstore import Object, Store
 from .state import fsync_dir
 
@@ -189,7 +189,7 @@ class _Download:
 def fetch(
     store: Store,
     name: str,
-    manifest_bytes: bytes,
+    last: tuple[str, bytes] | None,
     manifest: Manifest,
     listing: dict[str, Object],
     *,
@@ -201,7 +201,9 @@ def fetch(
 ) -> Fetched:
     """Download `name` (whose manifest and listing the caller judged complete) into `root`.
 
-    `listing` maps each manifest path (relative to the checkpoint) to its listed object.
+    `manifest` lists what to fetch (ours, or one worked out for a foreign writer); `listing`
+    maps each of its paths to the listed object; `last` is the file that marks the
+    checkpoint complete (our manifest, an HF index, a marker), written after all others.
 
     Raises SourceError (the store failed: retry later, the journal keeps the progress),
     DownloadError (the cache disk); returns `rejected` when the bytes fail their digests."""
@@ -228,21 +230,20 @@ def fetch(
             if bad:
                 shutil.rmtree(staging, ignore_errors=True)
                 return Fetched(None, bad, download.fetched, download.reused, seconds)
-            return Fetched(
-                _place(staging, root, name, manifest_bytes), "", download.fetched, download.reused, seconds
-            )
+            return Fetched(_place(staging, root, name, last), "", download.fetched, download.reused, seconds)
     except OSError as exc:
         raise DownloadError(f"downloading {name} into {staging}: {exc.strerror or exc}") from exc
     raise AssertionError("unreachable")
 
 
-def _place(staging: Path, root: Path, name: str, manifest_bytes: bytes) -> Path:
-    """Manifest last, everything fsynced, then one rename into the root."""
+def _place(staging: Path, root: Path, name: str, last: tuple[str, bytes] | None) -> Path:
+    """The completing file last, everything fsynced, then one rename into the root."""
     (staging / JOURNAL_NAME).unlink(missing_ok=True)
-    with (staging / MANIFEST_NAME).open("wb") as f:
-        f.write(manifest_bytes)
-        f.flush()
-        os.fsync(f.fileno())
+    if last is not None:
+        with (staging / last[0]).open("wb") as f:
+            f.write(last[1])
+            f.flush()
+            os.fsync(f.fileno())
     for directory in sorted({p.parent for p in staging.rglob("*")}, reverse=True):
         fsync_dir(directory)
     root.mkdir(parents=True, exist_ok=True)

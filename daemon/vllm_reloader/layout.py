@@ -8,8 +8,9 @@ headers and `config.json` alone, never from tensor data, so it costs microsecond
 from __future__ import annotations
 
 import json
+import os
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,25 +72,32 @@ def read_header(path: Path) -> dict[str, TensorSpec]:
         raise LayoutUnreadable(f"{path.name}: unreadable safetensors header") from exc
 
 
-def file_size_from_header(path: Path) -> int | None:
+def size_from_header(name: str, read: Callable[[int, int], bytes], available: int) -> int | None:
     """The size a safetensors file has when whole, from its header; None while the header
-    itself is not all there yet (a writer still at it). Raises `LayoutUnreadable`."""
-    with path.open("rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            return None
-        (length,) = struct.unpack("<Q", prefix)
-        if length > MAX_HEADER_BYTES:
-            raise LayoutUnreadable(f"{path.name}: safetensors header too large")
-        raw = f.read(length)
-    if len(raw) < length:
+    itself is not all there yet (a writer still at it). `read(start, end)` reads bytes of
+    the file, local or remote; `available` is how many bytes it has now. Raises
+    `LayoutUnreadable`."""
+    if available < 8:
+        return None
+    (length,) = struct.unpack("<Q", read(0, 8))
+    if length > MAX_HEADER_BYTES:
+        raise LayoutUnreadable(f"{name}: safetensors header too large")
+    if available < 8 + length:
         return None
     try:
-        header = json.loads(raw)
-        ends = [int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"]
+        header = json.loads(read(8, 8 + length))
+        ends = [int(entry["data_offsets"][1]) for key, entry in header.items() if key != "__metadata__"]
     except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
-        raise LayoutUnreadable(f"{path.name}: unreadable safetensors header") from exc
+        raise LayoutUnreadable(f"{name}: unreadable safetensors header") from exc
     return int(8 + length + max(ends, default=0))
+
+
+def file_size_from_header(path: Path) -> int | None:
+    with path.open("rb") as f:
+        fd = f.fileno()
+        return size_from_header(
+            path.name, lambda start, end: os.pread(fd, end - start, start), os.fstat(fd).st_size
+        )
 
 
 def read_arch(directory: Path) -> dict[str, object]:

@@ -29,6 +29,8 @@ _STATUS = re.compile(r"status code: (\d{3} [^:]*)")
 class Object:
     size: int
     etag: str | None
+    modified: float = 0.0
+    """Last-Modified, as a Unix time."""
 
 
 def _one_line(exc: BaseException) -> str:
@@ -70,7 +72,7 @@ class Store:
         """Every object under the prefix: key → size and ETag."""
         try:
             return {
-                meta["path"]: Object(meta["size"], meta["e_tag"])
+                meta["path"]: Object(meta["size"], meta["e_tag"], meta["last_modified"].timestamp())
                 for batch in obstore.list(self._store)
                 for meta in batch
             }

@@ -8,6 +8,10 @@ longer than listed, bytes that fail their digest while downloading), or ready, w
 means: download the newest such checkpoint newer than the one serving. It lands in the
 checkpoint root, where the local watcher and gate take over as for any local writer.
 
+Foreign writers (`completeness = "hf-index" | "marker"`) are judged the same way from
+their index or marker object, the listing, and each shard's header (two small ranged GETs,
+once per ETag); the completing object is downloaded last.
+
 This runs on its own thread, because a download takes minutes; rejections, which the
 state must keep, and finished downloads go to the main loop's inbox like any other event.
 """
@@ -17,34 +21,39 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from . import gate, log, policy, source
+from . import completeness, gate, layout, log, policy, source
 from .completeness import Incomplete, fingerprint_of
 from .config import Config
 from .download import Cancelled, Fetched, Plan, fetch
 from .errors import DownloadError, SourceError
-from .manifest import MANIFEST_NAME, Manifest, ManifestInvalid, ManifestNotJSON
+from .manifest import MANIFEST_NAME, Manifest, ManifestFile, ManifestInvalid, ManifestNotJSON
 from .manifest import parse as parse_manifest
 from .objstore import Object, Store
 
 
 @dataclass(frozen=True)
 class Remote:
-    """One checkpoint's manifest as last fetched, and the objects listed under its name."""
+    """What one checkpoint's completing object (`signal`: our manifest, an HF index, a
+    marker) held when last fetched; for a foreign writer, `manifest` is worked out from
+    the listing and headers each time it is judged."""
 
+    signal: str
     etag: str | None
     data: bytes
     manifest: Manifest | None
     problem: str = ""
+    fingerprint: str = ""
 
 
 def judge(remote: Remote, objects: Mapping[str, Object]) -> Incomplete | None:
     """pending / rejected from the manifest and the listing alone; None: download it."""
-    fp = fingerprint_of(remote.data)
+    fp = remote.fingerprint
     if remote.manifest is None:
         return Incomplete("rejected", remote.problem, fp)
     manifest = remote.manifest
@@ -66,13 +75,16 @@ def judge(remote: Remote, objects: Mapping[str, Object]) -> Incomplete | None:
     return None
 
 
-def _read(etag: str | None, data: bytes) -> Remote:
+def _read(signal: str, etag: str | None, data: bytes) -> Remote:
+    fp = fingerprint_of(data)
+    if signal != MANIFEST_NAME:
+        return Remote(signal, etag, data, None)
     try:
-        return Remote(etag, data, parse_manifest(data))
+        return Remote(signal, etag, data, parse_manifest(data), fingerprint=fp)
     except ManifestNotJSON as exc:  # a listed object is whole: it will not become JSON
-        return Remote(etag, data, None, str(exc))
+        return Remote(signal, etag, data, None, str(exc), fp)
     except ManifestInvalid as exc:
-        return Remote(etag, data, None, f"manifest: {exc}")
+        return Remote(signal, etag, data, None, f"manifest: {exc}", fp)
 
 
 class RemoteSource:
@@ -94,6 +106,8 @@ class RemoteSource:
         self.seen: dict[str, Remote] = {}
         self.pending: dict[str, str] = {}
         self.rejected_here: dict[str, str] = {}
+        self.convention = gate.GateOptions.from_config(config).convention
+        self.header_sizes: dict[tuple[str, str | None], int] = {}
         self.problems: dict[str, str] = {}
         """What is failing now, by kind ("source", "download"): each is logged once, not per poll."""
         self._thread = threading.Thread(target=self._run, name="remote-source", daemon=True)
@@ -139,26 +153,41 @@ class RemoteSource:
             name, _, rest = key.partition("/")
             if rest and not source.is_ignored(name, self.config.source.ignore):
                 by_name.setdefault(name, {})[rest] = listed
+        signals = {}
+        for name, objects in by_name.items():
+            if signal := completeness.signal_name([k for k in objects if "/" not in k], self.convention):
+                signals[name] = (signal, objects[signal])
         try:
-            self._refresh({n: o[MANIFEST_NAME] for n, o in by_name.items() if MANIFEST_NAME in o})
+            self._refresh(signals)
         except SourceError as exc:
             self._report("source", str(exc), retry_in_s=self.config.source.interval)
             return
         self._clear("source")
         local = source.list_candidates(self.config.checkpoint_root, ())
         self._clean_staging(set(self.seen) - local)
+        for name, remote in self.seen.items():
+            if remote.signal != MANIFEST_NAME:
+                self.seen[name] = replace(
+                    remote, fingerprint=self._foreign_fingerprint(remote, by_name[name])
+                )
         candidates = {
-            name: policy.Candidate(name, r.manifest.step if r.manifest else None, fingerprint_of(r.data))
+            name: policy.Candidate(name, r.manifest.step if r.manifest else None, r.fingerprint)
             for name, r in self.seen.items()
             if name not in local
         }
         rejected = {**self.rejected(), **self.rejected_here}
         waiting = {}
         for candidate in policy.to_try(candidates, serving=self.serving(), rejected=rejected):
-            remote = self.seen[candidate.name]
-            verdict = judge(remote, by_name[candidate.name])
+            remote, objects = self.seen[candidate.name], by_name[candidate.name]
+            try:
+                described = self._describe(candidate.name, remote, objects)
+            except SourceError as exc:
+                self._report("source", str(exc), retry_in_s=self.config.source.interval)
+                return
+            verdict = described if isinstance(described, Incomplete) else judge(described, objects)
             if verdict is None:
-                self._download(candidate.name, remote, by_name[candidate.name])
+                assert isinstance(described, Remote)
+                self._download(candidate.name, described, objects)
                 break
             if verdict.status == "pending":
                 waiting[candidate.name] = verdict.reason
@@ -170,19 +199,90 @@ class RemoteSource:
                 self._reject(candidate.name, remote, verdict.reason, verdict.check)
         self.pending = waiting
 
-    def _refresh(self, manifests: Mapping[str, Object]) -> None:
-        for name in set(self.seen) - set(manifests):
+    # -- foreign writers: what their listing and headers say ---------------------------------
+
+    def _wanted(self, objects: Mapping[str, Object]) -> dict[str, Object]:
+        return {k: o for k, o in objects.items() if "/" not in k and completeness.wanted(k, self.convention)}
+
+    def _foreign_fingerprint(self, remote: Remote, objects: Mapping[str, Object]) -> str:
+        sizes = {k: o.size for k, o in self._wanted(objects).items()}
+        return completeness.listing_fingerprint(sizes, (remote.signal, remote.data))
+
+    def _describe(self, name: str, remote: Remote, objects: Mapping[str, Object]) -> Remote | Incomplete:
+        """Ours as fetched; a foreign writer's as the local gate would work it out."""
+        if remote.signal == MANIFEST_NAME:
+            return remote
+        fp, top = remote.fingerprint, self._wanted(objects)
+        if remote.signal == completeness.INDEX_NAME:
+            try:
+                weights: list[str] | str | Incomplete = completeness.weights_from_index(remote.data)
+            except ValueError:
+                return Incomplete("rejected", f"{completeness.INDEX_NAME} is not valid JSON", fp)
+            if isinstance(weights, str):
+                return Incomplete("rejected", weights, fp)
+        elif remote.signal == completeness.SINGLE_NAME:
+            quiet_for = time.time() - max(o.modified for o in top.values())
+            if quiet_for < self.convention.settle_seconds:
+                return Incomplete("pending", f"changed {quiet_for:.1f} s ago; waiting for it to settle", fp)
+            weights = [completeness.SINGLE_NAME]
+        else:
+            weights = completeness.marked_weights(list(top), fp)
+        if isinstance(weights, Incomplete):
+            return weights
+        files = []
+        for weight in weights:
+            if "/" in weight or weight.startswith(".") or not weight.endswith(completeness.WEIGHT_SUFFIX):
+                return Incomplete(
+                    "rejected", f"shard {weight!r} is not a top-level .safetensors file", fp, "paths"
+                )
+            if weight not in top:
+                return Incomplete("pending", f"{weight} is not uploaded yet", fp)
+            try:
+                size = self._header_size(name, weight, top[weight])
+            except layout.LayoutUnreadable as exc:
+                return Incomplete("rejected", str(exc), fp, "headers")
+            if size is None:
+                return Incomplete("pending", f"{weight}: header not fully uploaded", fp)
+            files.append(ManifestFile(path=weight, size=size))
+        files += [
+            ManifestFile(path=k, size=o.size)
+            for k, o in sorted(top.items())
+            if k not in weights and k != remote.signal
+        ]
+        return replace(remote, manifest=Manifest(format_version=1, files=tuple(files)))
+
+    def _header_size(self, name: str, weight: str, listed: Object) -> int | None:
+        """Two small ranged GETs per shard, once per ETag."""
+        key = (f"{name}/{weight}", listed.etag)
+        if key not in self.header_sizes:
+
+            def read(start: int, end: int) -> bytes:
+                return bytes(self.store.get_range(key[0], start, end, listed.etag))
+
+            size = layout.size_from_header(weight, read, listed.size)
+            if size is None:
+                return None
+            self.header_sizes[key] = size
+        return self.header_sizes[key]
+
+    def _refresh(self, signals: Mapping[str, tuple[str, Object]]) -> None:
+        """GET each completing object whose ETag changed (a single model.safetensors: never)."""
+        for name in set(self.seen) - set(signals):
             del self.seen[name]
-        for name, listed in manifests.items():
+        for name, (signal, listed) in signals.items():
             known = self.seen.get(name)
-            if known is None or known.etag != listed.etag or listed.etag is None:
-                data, etag = self.store.get(f"{name}/{MANIFEST_NAME}")
-                if known is None or known.data != data:
-                    self.log.info("checkpoint.seen", name=name, path=f"{self.config.source.path}/{name}")
-                self.seen[name] = _read(etag, data)
+            if known is not None and known.signal == signal and known.etag == listed.etag is not None:
+                continue
+            if signal == completeness.SINGLE_NAME:
+                data, etag = b"", listed.etag
+            else:
+                data, etag = self.store.get(f"{name}/{signal}")
+            if known is None:
+                self.log.info("checkpoint.seen", name=name, path=f"{self.config.source.path}/{name}")
+            self.seen[name] = _read(signal, etag, data)
 
     def _reject(self, name: str, remote: Remote, reason: str, check: str) -> None:
-        fp = fingerprint_of(remote.data)
+        fp = remote.fingerprint
         self.rejected_here[name] = fp
         version = (remote.manifest.version if remote.manifest else None) or name
         self.post(
@@ -205,7 +305,7 @@ class RemoteSource:
             fetched: Fetched = fetch(
                 self.store,
                 name,
-                remote.data,
+                None if remote.signal == completeness.SINGLE_NAME else (remote.signal, remote.data),
                 manifest,
                 {e.path: objects[e.path] for e in manifest.files},
                 staging_root=self.staging_root,
@@ -222,6 +322,8 @@ class RemoteSource:
         if fetched.rejected:
             self._reject(name, remote, fetched.rejected, "digests")
             return
+        if remote.signal == completeness.SINGLE_NAME and fetched.path is not None:
+            _backdate(fetched.path, max(o.modified for o in objects.values()))
         self.log.info(
             "download.finished",
             name=name,
@@ -255,3 +357,10 @@ def prune(root: Path, names: list[str]) -> list[str]:
         shutil.rmtree(doomed, ignore_errors=True)
         done.append(name)
     return done
+
+
+def _backdate(directory: Path, when: float) -> None:
+    """A downloaded single-file checkpoint keeps the store's quiet time, or the local gate
+    would wait `settle_seconds` a second time."""
+    for path in (*directory.iterdir(), directory):
+        os.utime(path, (when, when))
