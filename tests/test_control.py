@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_reloader.cli import render_status
+from vllm_reloader.status import render as render_status
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

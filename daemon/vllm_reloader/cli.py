@@ -9,13 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from . import config as config_mod
-from . import gate, layout, log
+from . import gate, layout, log, status
 from .completeness import Convention, Mode
 from .errors import ConfigError, ReloaderError
 
@@ -126,44 +124,6 @@ def _verify(directory: Path, against: Path | None, mode: Mode) -> int:
     return 1
 
 
-def _ago(timestamp: float) -> str:
-    seconds = max(0, int(time.time() - timestamp))
-    return (
-        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-        if seconds >= 3600
-        else f"{seconds // 60}m{seconds % 60:02d}s"
-    )
-
-
-def render_status(answer: dict[str, Any]) -> str:
-    """The on-call view: one fact per line, reasons in full."""
-    serving = answer.get("serving")
-    lines = []
-    if serving:
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(serving["since"]))
-        lines.append(f"serving   {serving['version']}  since {since} ({_ago(serving['since'])} ago)")
-        lines.append(f"          {serving['path']}")
-    else:
-        lines.append("serving   (unknown: waiting for the engine)")
-    engine = answer.get("engine", {})
-    lines.append(
-        f"engine    {engine.get('url')}  {'reachable' if engine.get('reachable') else 'UNREACHABLE'}"
-    )
-    if answer.get("pinned"):
-        lines.append(f"pinned    {answer['pinned']}  (not auto-advancing; `vllm-reloader unpin` resumes)")
-    if answer.get("reloading"):
-        lines.append(f"reloading {answer['reloading']}")
-    last = answer.get("last_reload")
-    if last:
-        lines.append(f"last      {last['version']} in {last['duration_ms']:.0f} ms, {_ago(last['at'])} ago")
-    pending, rejected = answer.get("pending", {}), answer.get("rejected", {})
-    lines.append(f"pending   {len(pending)}")
-    lines.extend(f"  {name}: {reason}" for name, reason in pending.items())
-    lines.append(f"rejected  {len(rejected)}")
-    lines.extend(f"  {name}: {r['reason']}" for name, r in rejected.items())
-    return "\n".join(lines)
-
-
 def _control(args: argparse.Namespace) -> int:
     from . import control
 
@@ -176,7 +136,7 @@ def _control(args: argparse.Namespace) -> int:
     if not answer.get("ok"):
         return _fail(1, str(answer.get("error", "failed")))
     if args.command == "status":
-        print(json.dumps(answer, indent=1) if args.json else render_status(answer))
+        print(json.dumps(answer, indent=1) if args.json else status.render(answer))
     else:
         print("ok")
     return 0

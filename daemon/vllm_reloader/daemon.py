@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from . import config as config_mod
-from . import log, source
+from . import log, source, status
 from .config import Config
 from .control import ControlServer
 from .engine import EngineClient
@@ -126,13 +126,13 @@ class Daemon:
     def _tell_systemd(self) -> None:
         if not self.ready_sent and self.reloader.reconciled:
             self.ready_sent = True
-            self.notifier.ready(self.reloader.status_line())
+            self.notifier.ready(status.line(self))
         elif not self.ready_sent:
             self.notifier.extend_timeout(self.config.engine.retry_max + 30)
-        status = self.reloader.status_line()
-        if status != self.last_status:
-            self.last_status = status
-            self.notifier.status(status)
+        now = status.line(self)
+        if now != self.last_status:
+            self.last_status = now
+            self.notifier.status(now)
         if self._healthy():
             self.notifier.watchdog()
 
@@ -195,11 +195,7 @@ class Daemon:
         request, reply = message
         command = request["command"]
         if command == "status":
-            answer = self.reloader.status()
-            if self.remote:
-                answer["pending"].update(self.remote.pending)
-                answer["source"] = {"url": self.config.source.path, "failing": dict(self.remote.problems)}
-            reply.put({"ok": True, **answer})
+            reply.put({"ok": True, **status.answer(self)})
             return
         error = None
         if command == "pin":
@@ -232,7 +228,7 @@ class Daemon:
             new = config_mod.load(self.config_path)
         except ConfigError as exc:
             self.log.error("config.invalid", reason=str(exc), kept="previous config")
-            self.notifier.ready(self.reloader.status_line())
+            self.notifier.ready(status.line(self))
             return
         old = self.config
         if old.log.priority_prefix:  # set on the command line, which a SIGHUP does not re-read
@@ -244,7 +240,7 @@ class Daemon:
                 remote = self._make_remote(new)
             except ConfigError as exc:
                 self.log.error("config.invalid", reason=str(exc), kept="previous config")
-                self.notifier.ready(self.reloader.status_line())
+                self.notifier.ready(status.line(self))
                 return
             if self.remote:
                 self.remote.close()
@@ -261,4 +257,4 @@ class Daemon:
             self.reloader.reconciled = False
         self.config = self.reloader.config = new
         self.log.info("config.reloaded", path=str(self.config_path))
-        self.notifier.ready(self.reloader.status_line())
+        self.notifier.ready(status.line(self))

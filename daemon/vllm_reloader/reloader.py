@@ -287,19 +287,6 @@ class Reloader:
 
     # -- the control socket's commands (called on the main loop) -----------------------------
 
-    def status(self) -> dict[str, Any]:
-        serving = self.state.serving
-        return {
-            "serving": serving.model_dump() if serving else None,
-            "last_good": self.state.last_good.model_dump() if self.state.last_good else None,
-            "last_reload": self.last_reload,
-            "reloading": self.in_flight.target.version if self.in_flight else None,
-            "pinned": self.state.pinned,
-            "pending": {name: reason for name, (_, reason) in sorted(self.last_report.items())},
-            "rejected": {name: r.model_dump() for name, r in sorted(self.state.rejected.items())},
-            "engine": {"url": self.config.engine.url, "reachable": self.engine_up},
-        }
-
     def pin(self, name: str) -> str | None:
         """Pin a checkpoint by directory name or version; returns an error, or None."""
         self._rescan()
@@ -320,24 +307,6 @@ class Reloader:
     def check_now(self) -> None:
         """`reload`: rescan the root and ask the engine now, instead of at the next timer."""
         self.next_rescan = self.next_engine_check = self.engine_retry_at = 0.0
-
-    def pending_names(self) -> list[str]:
-        return sorted(name for name, (status, _) in self.last_report.items() if status == "pending")
-
-    def status_line(self) -> str:
-        """One line for systemd's STATUS=: what is served, since when, what waits."""
-        serving = self.state.serving
-        parts = [
-            f"serving {serving.version} since {time.strftime('%H:%M:%S', time.localtime(serving.since))}"
-            if serving
-            else "waiting for the engine"
-        ]
-        if self.in_flight is not None:
-            parts.append(f"reloading {self.in_flight.target.version}")
-        parts.append(f"{len(self.pending_names())} pending")
-        if self.last_scan:
-            parts.append(f"last scan {time.time() - self.last_scan:.0f} s ago")
-        return "; ".join(parts)
 
     def close(self) -> None:
         self.worker.close()
