@@ -1,4 +1,4 @@
-from vllm_reloader.policy import Candidate, natural_key, order_key, to_try
+from vllm_reloader.policy import Candidate, natural_key, order_key, to_prune, to_try
 
 
 def cands(*items: tuple[str, int | None]) -> dict[str, Candidate]:
@@ -41,3 +41,10 @@ def test_policy_skips_rejected_until_manifest_changes():
 def test_policy_treats_everything_as_newer_than_an_outside_startup_model():
     candidates = cands(("a", None), ("b", 5))
     assert [c.name for c in to_try(candidates, serving=None, rejected={})] == ["b", "a"]
+
+
+def test_policy_prunes_all_but_protected_and_the_newest_kept():
+    candidates = cands(("a", 1), ("b", 2), ("c", 3), ("d", 4), ("e", 5))
+    assert to_prune(candidates, protected={"b", "e"}, keep=1) == ["c", "a"]
+    assert to_prune(candidates, protected={"b", "e"}, keep=0) == ["d", "c", "a"]
+    assert to_prune(candidates, protected=set(), keep=10) == []

@@ -405,3 +405,45 @@ def test_remote_single_safetensors_waits_for_quiet(tmp_path, bucket: Bucket):
     harness = foreign_harness(tmp_path, bucket, "hf-index", settle_seconds=0.0)
     harness.source.poll()
     assert harness.fetched() == ["final"]
+
+
+def test_daemon_with_keep_0_still_loads_what_it_downloaded(tmp_path, bucket: Bucket, make_checkpoint):
+    from vllm_reloader.publish import publish_remote
+
+    engine = FakeEngine(startup=str(make_checkpoint("startup", root=tmp_path / "models")))
+    with structlog.testing.capture_logs() as logs:
+        daemon, thread = remote_daemon(tmp_path, bucket, engine, keep=0)
+        try:
+            wait_for(logs, "engine.reconciled")
+            for step in (2, 3):
+                publish_remote(
+                    make_checkpoint(f"o{step}", root=tmp_path / "t", seed=step), bucket.url, step=step
+                )
+                wait_for(logs, "reload.succeeded", version=f"step-{step}")
+            assert sorted(p.name for p in daemon.config.checkpoint_root.iterdir()) == ["step-3"]
+        finally:
+            daemon.request_stop()
+            thread.join(timeout=15)
+    assert len([e for e in logs if e["event"] == "download.started"]) == 2, "nothing fetched twice"
+
+
+def test_retention_never_deletes_a_downloaded_checkpoint_waiting_to_load(tmp_path, make_checkpoint):
+    from vllm_reloader.reloader import Reloader
+    from vllm_reloader.state import Loaded
+
+    cfg = config.Config(
+        source=config.SourceConfig(path="s3://bucket/runs"),
+        engine=config.EngineConfig(url="http://engine.test"),
+        state=config.StateConfig(dir=tmp_path / "state", keep=0),
+    )
+    reloader = Reloader(cfg, FakeEngine().client(), lambda _message: None)
+    for step in (1, 2, 3):
+        make_checkpoint(f"step-{step}", step=step, root=cfg.checkpoint_root)
+    reloader.dirty = {"step-1", "step-2", "step-3"}
+    reloader._refresh(reloader.dirty)
+    serving = Loaded(
+        name="step-2", version="step-2", path=str(cfg.checkpoint_root / "step-2"), since=0, step=2
+    )
+    reloader.state = reloader.state.model_copy(update={"serving": serving, "last_good": serving})
+    reloader.prune_cache()
+    assert sorted(p.name for p in cfg.checkpoint_root.iterdir()) == ["step-2", "step-3"]

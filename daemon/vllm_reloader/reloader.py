@@ -323,6 +323,9 @@ class Reloader:
         } | {self.state.pinned or "", self.in_flight.candidate.name if self.in_flight else ""}
         if self.startup and Path(self.startup).parent == self.root:
             protected.add(Path(self.startup).name)
+        rejected = {name: r.fingerprint for name, r in self.state.rejected.items()}
+        newer = policy.to_try(self.candidates, serving=self.serving_key(), rejected=rejected)
+        protected |= {c.name for c in newer}  # downloaded to be loaded next: not yet
         doomed = policy.to_prune(self.candidates, protected=protected, keep=self.config.state.keep)
         for name in remote.prune(self.root, doomed):
             self.candidates.pop(name, None)

@@ -128,9 +128,14 @@ class RemoteSource:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        while not self.stop.is_set():
-            self.poll()
-            self.stop.wait(self.config.source.interval)
+        try:
+            while not self.stop.is_set():
+                self.poll()
+                self.stop.wait(self.config.source.interval)
+        except Exception:
+            # A bug, not a store failure: say so; the watchdog pings stop and systemd restarts us.
+            self.log.exception("source.crashed", source=self.config.source.path)
+            raise
 
     def _report(self, kind: str, reason: str, **fields: Any) -> None:
         if self.problems.get(kind) != reason:
