@@ -19,6 +19,8 @@ class FakeEngine:
         self.startup = startup
         self.loaded = startup
         self.paused = False
+        self.garbage: set[str] = set()
+        """Checkpoint paths whose weights answer with NaN logprobs (a diverged run)."""
         self.fail: dict[str, Callable[[], httpx.Response]] = {}
         """endpoint (or 'reload:<path>') -> response factory, or raise inside it."""
 
@@ -48,6 +50,12 @@ class FakeEngine:
             return httpx.Response(200, json={"results": [None]})
         if path == "/reset_prefix_cache":
             return httpx.Response(200, json={"success": True})
+        if path == "/v1/completions":
+            value = float("nan") if self.loaded in self.garbage else -0.5
+            body = {"choices": [{"logprobs": {"token_logprobs": [value] * 2}}]}  # NaN as Python writes it
+            return httpx.Response(
+                200, content=json.dumps(body).encode(), headers={"content-type": "application/json"}
+            )
         if path == "/update_weight_version":
             self.version = body["new_version"]
             return httpx.Response(200, json={"success": True})

@@ -45,7 +45,12 @@ def root(tmp_path: Path) -> Path:
 def start(tmp_path: Path, root: Path) -> Iterator[Callable[..., Running]]:
     threads: list[tuple[Daemon, threading.Thread]] = []
 
-    def run(engine: FakeEngine, engine_check_interval: float = 5.0, **source: object) -> Running:
+    def run(
+        engine: FakeEngine,
+        engine_check_interval: float = 5.0,
+        canary: config.CanaryConfig | None = None,
+        **source: object,
+    ) -> Running:
         cfg = config.Config(
             source=config.SourceConfig(path=root, pending_recheck_interval=0.05, **source),  # type: ignore[arg-type]
             engine=config.EngineConfig(
@@ -55,6 +60,7 @@ def start(tmp_path: Path, root: Path) -> Iterator[Callable[..., Running]]:
                 check_interval=engine_check_interval,
             ),
             state=config.StateConfig(dir=tmp_path / "state"),
+            canary=canary or config.CanaryConfig(),
         )
         daemon = Daemon(cfg, client=engine.client(retry_initial=0.05))
         thread = threading.Thread(target=daemon.run, daemon=True)
@@ -230,3 +236,37 @@ def test_daemon_reloads_a_checkpoint_hf_wrote_without_a_manifest(start, root, tm
     (target / INDEX_NAME).write_bytes(hf_index(shards))  # ...the index last
     running.wait_for("reload.succeeded", version="checkpoint-200")
     assert engine.loaded == str(target)
+
+
+def test_daemon_rolls_back_a_checkpoint_whose_canary_fails(start, root, tmp_path, make_checkpoint):
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    engine.garbage.add(str(root / "step-2"))  # whole, right shapes, NaN answers
+    running = start(engine)
+    running.wait_for("engine.reconciled")
+    make_checkpoint("step-2", step=2, root=root, seed=2)
+    rolled = running.wait_for("reload.rolled_back", version="step-2")
+    assert (
+        rolled["to_version"] == "step-1" and rolled["cause"] == "canary" and "not finite" in rolled["reason"]
+    )
+    rejected = running.wait_for("checkpoint.rejected", name="step-2")
+    assert rejected["check"] == "canary"
+    assert engine.version == "step-1" and engine.loaded == str(root / "step-1") and not engine.paused
+    saved = state.load(tmp_path / "state")
+    assert saved.serving is not None and saved.serving.version == "step-1"
+    assert saved.rejected["step-2"].reason.startswith("canary: ")
+    make_checkpoint("step-3", step=3, root=root, seed=3)
+    running.wait_for("reload.succeeded", version="step-3")
+    assert engine.calls.count(f"reload:{root / 'step-2'}") == 1, "a rejected version is not retried"
+    metrics = running.daemon.reloader.metrics
+    assert metrics.rollbacks.labels(cause="canary")._value.get() == 1
+
+
+def test_daemon_with_canary_off_does_not_probe(start, root, make_checkpoint):
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    running = start(engine, canary=config.CanaryConfig(enabled=False))
+    running.wait_for("engine.reconciled")
+    make_checkpoint("step-2", step=2, root=root)
+    running.wait_for("reload.succeeded", version="step-2")
+    assert "/v1/completions" not in engine.calls

@@ -175,6 +175,46 @@ def test_e2e_bad_manifest_never_reaches_engine(world: World, kind: str):
     world.assert_unchanged()
 
 
+def _rewrite_weights(staged: Path, change: object) -> None:
+    from safetensors.torch import load_file, save_file
+
+    for shard in staged.glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        save_file({k: change(v) for k, v in tensors.items()}, str(shard))  # type: ignore[operator]
+
+
+def test_e2e_nan_weights_never_reach_the_engine(world: World):
+    """A diverged run: whole files, right shapes, NaN in one tensor. The gate reads every value."""
+    import torch
+
+    name, staged = world.stage("B")
+    _rewrite_weights(
+        staged, lambda t: torch.where(torch.rand_like(t.float()) < 0.01, float("nan"), t.float()).to(t.dtype)
+    )
+    list_files(staged, name, step=_next_step_above_serving(world))
+    staged.rename(world.root / name)
+    rejected = world.daemon.wait_for("checkpoint.rejected", name=name)
+    assert rejected["check"] == "finite"
+    assert not world.daemon.events("reload.started", version=name)
+    world.assert_unchanged()
+
+
+def test_e2e_exploding_weights_are_rolled_back_by_the_canary(world: World):
+    """Finite weights, every check passes, but the forward pass overflows: only the canary can tell."""
+
+    name, staged = world.stage("B")
+    _rewrite_weights(staged, lambda t: (t.float() * 1e15).to(t.dtype))  # activations overflow to Inf
+    list_files(staged, name, step=_next_step_above_serving(world))
+    staged.rename(world.root / name)
+    rolled = world.daemon.wait_for("reload.rolled_back", version=name, timeout=120)
+    assert rolled["to_version"] == world.serving and rolled["cause"] == "canary"
+    # vLLM kept the bad weights' NaN keys/values in freed KV blocks: probes took them first.
+    assert rolled["clean_after_probes"] is not None
+    rejected = world.daemon.wait_for("checkpoint.rejected", name=name)
+    assert rejected["check"] == "canary"
+    world.assert_unchanged()
+
+
 def test_e2e_slow_writer_waits_then_loads(world: World):
     """Manifest first, files trickling in afterwards: pending until whole, then loaded."""
     name = f"step-{next(_steps)}"

@@ -78,6 +78,8 @@ class SourceConfig(_Section):
 
 class GateConfig(_Section):
     verify_digests: bool = True
+    check_finite: bool = True
+    """Reject a checkpoint with NaN or Inf in any float tensor (reads every byte, after the digests)."""
     digest_threads: int = Field(4, ge=1, le=64)
 
 
@@ -100,6 +102,23 @@ class EngineConfig(_Section):
         if not value.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
         return value.rstrip("/")
+
+
+class CanaryConfig(_Section):
+    """After every reload, real requests must come back with finite logprobs, or it is rolled back."""
+
+    enabled: bool = True
+    prompts: tuple[str, ...] = Field(("The capital of France is",), min_length=1)
+    max_tokens: int = Field(4, ge=1, le=256)
+    timeout: float = Field(30.0, gt=0)
+    min_mean_logprob: float | None = None
+    """Optional floor on the mean token logprob over all prompts (e.g. -8: garbage weights
+    give near-uniform logits, log(1/vocab) ≈ -11 for a 64k vocab)."""
+
+    @field_validator("prompts", mode="before")
+    @classmethod
+    def _tuple_from_list(cls, value: object) -> object:
+        return tuple(value) if isinstance(value, list) else value
 
 
 class StateConfig(_Section):
@@ -151,6 +170,7 @@ class Config(_Section):
     engine: EngineConfig
     state: StateConfig
     gate: GateConfig = GateConfig()
+    canary: CanaryConfig = CanaryConfig()
     log: LogConfig = LogConfig()
     control: ControlConfig = ControlConfig()
     metrics: MetricsConfig = MetricsConfig()

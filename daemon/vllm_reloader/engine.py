@@ -94,6 +94,22 @@ class EngineClient:
     def set_weight_version(self, version: str) -> None:
         self._call("POST", "/update_weight_version", json={"new_version": version})
 
+    def token_logprobs(self, prompt: str, *, max_tokens: int, timeout: float) -> list[float | None]:
+        """A greedy completion of `prompt`; the logprob of each generated token."""
+        body = self._call(
+            "POST",
+            "/v1/completions",
+            json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1},
+            timeout=timeout,
+        )
+        try:
+            values = body["choices"][0]["logprobs"]["token_logprobs"]
+            return [None if v is None else float(v) for v in values]
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise EngineCallFailed(
+                "/v1/completions: no token_logprobs in answer", endpoint="/v1/completions"
+            ) from exc
+
 
 def _error_text(response: httpx.Response) -> str:
     try:

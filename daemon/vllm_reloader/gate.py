@@ -12,7 +12,8 @@ being served and the clock; its verdict is data:
 
 What "whole" means depends on the writer (`completeness`: our manifest, HF's index, a
 marker file); a NeMo `<name>-unfinished` next to the directory holds it pending in any mode.
-Checks run cheapest first: schema, paths, sizes, safetensors headers, layout, digests.
+Checks run cheapest first: schema, paths, sizes, safetensors headers, layout, digests,
+then no NaN/Inf in any float tensor (`finite`).
 Digests come last because they read every byte — which also warms the page cache right
 before the engine reads the same bytes.
 """
@@ -30,7 +31,7 @@ from typing import Literal
 
 from safetensors import SafetensorError, safe_open
 
-from . import completeness, layout
+from . import completeness, finite, layout
 from .completeness import Convention, Incomplete, fingerprint_of
 from .config import Config
 from .manifest import MANIFEST_NAME, Manifest, ManifestFile, digest_mismatch, hashers
@@ -62,6 +63,7 @@ class Verdict:
 @dataclass(frozen=True)
 class GateOptions:
     verify_digests: bool = True
+    check_finite: bool = True
     digest_threads: int = 4
     convention: Convention = field(default_factory=Convention)
 
@@ -70,6 +72,7 @@ class GateOptions:
         source = config.source
         return cls(
             verify_digests=config.gate.verify_digests,
+            check_finite=config.gate.check_finite,
             digest_threads=config.gate.digest_threads,
             convention=Convention(
                 mode=source.completeness,
@@ -178,6 +181,15 @@ def _check_digests(directory: Path, manifest: Manifest, threads: int) -> str | N
         return next((r for r in results if r), None)
 
 
+def _check_finite(weights: list[Path], threads: int) -> str | None:
+    """After the digests, so it reads from a warm page cache."""
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(weights)))) as pool:
+        for path, tensor in zip(weights, pool.map(finite.first_non_finite, weights), strict=True):
+            if tensor is not None:
+                return f"{path.name}: tensor {tensor} holds NaN or Inf values (a diverged run?)"
+    return None
+
+
 def check(
     directory: Path,
     *,
@@ -227,6 +239,8 @@ def _check(directory: Path, serving: layout.Layout | None, options: GateOptions,
             )
     if options.verify_digests and (problem := _check_digests(directory, manifest, options.digest_threads)):
         return _rejected(problem, manifest, fp, check="digests")
+    if options.check_finite and (problem := _check_finite(weights, options.digest_threads)):
+        return _rejected(problem, manifest, fp, check="finite")
     if completeness.fingerprint(directory, options.convention) != fp:
         return _pending("checkpoint changed while it was being checked")
     return Verdict("ready", "", manifest, fp)

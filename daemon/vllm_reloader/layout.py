@@ -13,6 +13,7 @@ import struct
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # The fields of config.json that fix the model's structure. Others (rope scaling, token
 # ids, dtype) either show up in the tensor shapes or are not reloaded by the engine at all.
@@ -46,13 +47,8 @@ class Layout:
     arch: Mapping[str, object]
 
 
-def read_header(path: Path) -> dict[str, TensorSpec]:
-    """Tensor name → (dtype, shape) from one safetensors file's JSON header.
-
-    Callers validate the file with `safetensors.safe_open` first; this only extracts the
-    fields (the library exposes shapes only through numpy or torch, which the daemon does
-    not depend on).
-    """
+def raw_header(path: Path) -> tuple[int, dict[str, Any]]:
+    """(header length, the header's JSON object) of one safetensors file."""
     with path.open("rb") as f:
         prefix = f.read(8)
         if len(prefix) != 8:
@@ -63,6 +59,22 @@ def read_header(path: Path) -> dict[str, TensorSpec]:
         raw = f.read(length)
     try:
         header = json.loads(raw)
+    except ValueError as exc:
+        raise LayoutUnreadable(f"{path.name}: unreadable safetensors header") from exc
+    if not isinstance(header, dict):
+        raise LayoutUnreadable(f"{path.name}: unreadable safetensors header")
+    return length, header
+
+
+def read_header(path: Path) -> dict[str, TensorSpec]:
+    """Tensor name → (dtype, shape) from one safetensors file's JSON header.
+
+    Callers validate the file with `safetensors.safe_open` first; this only extracts the
+    fields (the library exposes shapes only through numpy or torch, which the daemon does
+    not depend on).
+    """
+    _, header = raw_header(path)
+    try:
         return {
             name: (str(entry["dtype"]), tuple(int(n) for n in entry["shape"]))
             for name, entry in header.items()

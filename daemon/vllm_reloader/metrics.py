@@ -30,6 +30,9 @@ class Metrics:
             buckets=DURATION_BUCKETS,
             registry=r,
         )
+        self.rollbacks = Counter(
+            "vllm_reloader_rollbacks", "Last good checkpoint loaded back, by cause", ["cause"], registry=r
+        )
         self.engine_up = Gauge("vllm_reloader_engine_up", "1 when the engine answers", registry=r)
 
     def serve(self, listen: str) -> None:

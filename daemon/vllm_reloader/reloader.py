@@ -232,6 +232,7 @@ class Reloader:
             target=Target(version, path),
             fallback=Target(fallback.version, fallback.path) if fallback else None,
             size=size,
+            canary=self.config.canary,
         )
         self.worker.submit(self.in_flight)
 
@@ -242,12 +243,20 @@ class Reloader:
         if outcome.resume_error is not None:
             self.resume_owed = True
             self.log.error("engine.resume_failed", reason=str(outcome.resume_error))
+        if outcome.canary_failed is not None:
+            self._canary_failed(outcome)
+            return
         error = outcome.error
         self.metrics.reloads.labels(result="failed" if error else "succeeded").inc()
         if isinstance(error, ReloadFailed):
             self.log.error(
                 "reload.failed", version=version, path=path, reason=str(error), restored=error.restored
             )
+            if error.restored and job.fallback is not None:
+                self.metrics.rollbacks.labels(cause="reload").inc()
+                self.log.warning(
+                    "reload.rolled_back", version=version, to_version=job.fallback.version, cause="reload"
+                )
             if error.engine_up:
                 self.reject(
                     job.candidate.name,
@@ -284,6 +293,38 @@ class Reloader:
             gb_per_s=round(job.size / outcome.seconds / 1e9, 3) if outcome.seconds > 0 else None,
             **(outcome.timings or {}),
         )
+
+    def _canary_failed(self, outcome: Outcome) -> None:
+        """Loaded, but the engine answered like broken weights: reject it; the worker has
+        already loaded the fallback back when there was one."""
+        job, reason = outcome.job, f"canary: {outcome.canary_failed}"
+        self.metrics.reloads.labels(result="failed").inc()
+        self.reject(job.candidate.name, job.target.version, reason, job.candidate.fingerprint, check="canary")
+        if outcome.rolled_back and job.fallback is not None:
+            self.metrics.rollbacks.labels(cause="canary").inc()
+            self.log.warning(
+                "reload.rolled_back",
+                version=job.target.version,
+                to_version=job.fallback.version,
+                cause="canary",
+                reason=reason,
+                clean_after_probes=outcome.flush_probes or None,
+            )
+            fallback = self.state.last_good or self.state.serving
+            if fallback is not None and fallback.version == job.fallback.version:
+                self._set_serving(fallback)
+            return
+        if outcome.error is not None:  # the rollback itself failed: the engine is down or wedged
+            self.log.error("reload.rollback_failed", version=job.target.version, reason=str(outcome.error))
+            self._set_serving(None)
+            self._engine_down(outcome.error)
+            return
+        # Nothing to go back to: it stays loaded, rejected, and the next good one replaces it.
+        self.log.error("reload.canary_failed_no_fallback", version=job.target.version, reason=reason)
+        self._set_serving(
+            Loaded(name=job.candidate.name, version=job.target.version, path=job.target.path,
+                   since=time.time(), step=job.candidate.step)
+        )  # fmt: skip
 
     # -- the control socket's commands (called on the main loop) -----------------------------
 

@@ -1,0 +1,80 @@
+"""The non-finite scan: a diverged run writes NaN or Inf weights into whole, well-shaped files.
+
+Such a checkpoint passes every structural check, and loading it does more harm than
+serving garbage for a moment: vLLM's KV cache keeps the NaN keys and values the first
+requests wrote, and the first requests after a rollback that reuse those blocks read NaN
+through masked attention (0 * NaN is NaN). So NaN never reaches the engine.
+
+No numpy: a float is NaN or Inf exactly when its exponent bits are all ones, and those sit
+in its top bytes (little-endian). `bytes.translate` over the top byte of every element
+finds candidates at C speed; good weights have essentially none (that would be |x| ≥ 2^127
+in bf16 or f32), so the exact check runs only where a candidate is found.
+"""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import layout
+
+CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class _Bits:
+    stride: int
+    top: int
+    """Index of the byte holding the exponent's high bits."""
+    top_mask: int
+    low_mask: int = 0
+    """Bits of the byte below `top` that complete the exponent (0: `top` alone holds it)."""
+
+    def candidates(self) -> bytes:
+        """256-byte table: 1 for a top byte whose exponent bits are all ones."""
+        return bytes(1 if b & self.top_mask == self.top_mask else 0 for b in range(256))
+
+
+DTYPES = {
+    "BF16": _Bits(2, 1, 0x7F, 0x80),
+    "F16": _Bits(2, 1, 0x7C),
+    "F32": _Bits(4, 3, 0x7F, 0x80),
+    "F64": _Bits(8, 7, 0x7F, 0xF0),
+    "F8_E5M2": _Bits(1, 0, 0x7C),
+    "F8_E4M3": _Bits(1, 0, 0x7F),  # the "fn" variant: no Inf, NaN is S.1111.111
+}
+_TABLES = {name: bits.candidates() for name, bits in DTYPES.items()}
+
+
+def _has_non_finite(data: bytes, bits: _Bits, table: bytes) -> bool:
+    tops = data[bits.top :: bits.stride].translate(table)
+    position = tops.find(1)
+    while position >= 0:
+        if not bits.low_mask:
+            return True
+        low = data[position * bits.stride + bits.top - 1]
+        if low & bits.low_mask == bits.low_mask:
+            return True
+        position = tops.find(1, position + 1)
+    return False
+
+
+def first_non_finite(path: Path) -> str | None:
+    """The first tensor of one safetensors file holding a NaN or Inf, or None."""
+    length, header = layout.raw_header(path)
+    base = 8 + length
+    with path.open("rb") as f:
+        if path.stat().st_size <= base:
+            return None
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            for name, entry in sorted(header.items(), key=lambda item: str(item[0])):
+                if name == "__metadata__" or entry.get("dtype") not in DTYPES:
+                    continue
+                bits = DTYPES[entry["dtype"]]
+                start, end = (base + int(n) for n in entry["data_offsets"])
+                step = CHUNK - CHUNK % bits.stride
+                for offset in range(start, end, step):
+                    if _has_non_finite(data[offset : min(offset + step, end)], bits, _TABLES[entry["dtype"]]):
+                        return name
+    return None
