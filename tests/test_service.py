@@ -5,7 +5,10 @@ from __future__ import annotations
 import signal
 import time
 
+import pytest
+
 from fake_engine import FakeEngine, unreachable
+from vllm_reloader import failpoints, state
 
 
 def test_service_ready_status_and_watchdog_over_notify_socket(service):
@@ -141,4 +144,29 @@ def test_service_sigkill_mid_reload_then_restart_converges(service, make_checkpo
     second = start()
     second.wait_for("reload.succeeded", version="step-2")
     assert engine.version == "step-2" and not engine.paused
+    assert second.stop() == 0
+
+
+@pytest.mark.parametrize("failpoint", failpoints.NAMES)
+def test_service_sigkill_at_each_failpoint_then_restart_converges(
+    service, make_checkpoint, failpoint, tmp_path
+):
+    start, engine, _notify, _config, root = service
+    first = start(VLLM_RELOADER_FAILPOINT=failpoint)
+    first.wait_for("engine.reconciled")
+    make_checkpoint("step-2", step=2, root=root)
+    assert first.process.wait(timeout=20) == -signal.SIGKILL
+    first.stop()
+    assert engine.paused == (failpoint in ("after_pause", "after_reload"))
+    second = start()
+    second.wait_for("engine.reconciled")
+    deadline = time.monotonic() + 20
+    while engine.version != "step-2" or engine.paused:
+        assert time.monotonic() < deadline, (engine.version, engine.paused)
+        time.sleep(0.05)
+    assert engine.loaded == str(root / "step-2")
+    while (saved := state.load(tmp_path / "s")).serving is None or saved.serving.version != "step-2":
+        assert time.monotonic() < deadline, saved
+        time.sleep(0.05)
+    assert second.process.poll() is None
     assert second.stop() == 0

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from . import failpoints
 from .config import EngineConfig
 from .errors import EngineCallFailed, EngineError, EngineUnavailable
 
@@ -162,15 +163,18 @@ def hot_swap(
     request was sent, resume is attempted before returning.
     """
     timings: dict[str, float] = {}
+    failpoints.hit("before_pause")
     try:
         with _timed(timings, "pause"):
             client.pause(client.config.pause_mode)
+        failpoints.hit("after_pause")
         client.set_weight_version(RELOADING_PREFIX + target.version)
         with _timed(timings, "reload"):
             try:
                 client.reload_weights(target.path)
             except EngineError as exc:
                 raise _restore(client, fallback, exc) from exc
+        failpoints.hit("after_reload")
         with _timed(timings, "reset"):
             client.reset_prefix_cache()
         client.set_weight_version(target.version)

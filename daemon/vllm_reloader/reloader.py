@@ -13,10 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import gate, layout, log, policy, reconcile, remote, source
+from . import gate, layout, log, outcomes, policy, reconcile, remote, source
 from . import state as state_store
 from .config import Config
-from .engine import RELOADING_PREFIX, STARTUP_VERSION, EngineClient, ReloadFailed, Target
+from .engine import RELOADING_PREFIX, STARTUP_VERSION, EngineClient, Target
 from .errors import EngineCallFailed, EngineError, EngineUnavailable, StateError
 from .manifest import MANIFEST_NAME
 from .metrics import Metrics
@@ -81,7 +81,7 @@ class Reloader:
                     return
                 self._reconcile()
         except EngineError as exc:
-            self._engine_down(exc)
+            self.engine_down(exc)
             return
         self.next_engine_check = now + self.config.engine.check_interval
         self.engine_up = True
@@ -145,14 +145,14 @@ class Reloader:
         if version == STARTUP_VERSION and serving.in_root:
             # Name the startup weights, so clients and `weight_info` see which checkpoint it is.
             self.client.set_weight_version(serving.version)
-        self._set_serving(serving)
+        self.set_serving(serving)
 
     def _restore_after_interrupted_reload(self, marker: str) -> None:
         """The weights may be a mix of two checkpoints: load the last good one back."""
         good = self.state.last_good
         assert good is not None
         self.log.warning("engine.weights_unknown", engine_reported=marker, restoring=good.version)
-        self._set_serving(None)
+        self.set_serving(None)
         self._load(policy.Candidate(good.name, good.step, ""), good.version, good.path, 0)
 
     def serving_key(self) -> policy.OrderKey | None:
@@ -239,92 +239,7 @@ class Reloader:
     def finished(self, outcome: Outcome) -> None:
         """A reload came back from the worker: record it, and what the engine now holds."""
         self.in_flight = None
-        job, (version, path) = outcome.job, (outcome.job.target.version, outcome.job.target.path)
-        if outcome.resume_error is not None:
-            self.resume_owed = True
-            self.log.error("engine.resume_failed", reason=str(outcome.resume_error))
-        if outcome.canary_failed is not None:
-            self._canary_failed(outcome)
-            return
-        error = outcome.error
-        self.metrics.reloads.labels(result="failed" if error else "succeeded").inc()
-        if isinstance(error, ReloadFailed):
-            self.log.error(
-                "reload.failed", version=version, path=path, reason=str(error), restored=error.restored
-            )
-            if error.restored and job.fallback is not None:
-                self.metrics.rollbacks.labels(cause="reload").inc()
-                self.log.warning(
-                    "reload.rolled_back", version=version, to_version=job.fallback.version, cause="reload"
-                )
-            if error.engine_up:
-                self.reject(
-                    job.candidate.name,
-                    version,
-                    f"reload_weights failed: {error}",
-                    job.candidate.fingerprint,
-                    check="reload",
-                )
-            if not error.restored:
-                self._engine_down(error)
-            return
-        if error is not None:
-            self.log.error("reload.failed", version=version, path=path, reason=str(error), restored=False)
-            self._engine_down(error)
-            return
-        loaded = Loaded(
-            name=job.candidate.name, version=version, path=path, since=time.time(), step=job.candidate.step
-        )
-        self._set_serving(loaded, last_good=loaded)
-        self.prune_cache()
-        self.metrics.reload_seconds.observe(outcome.seconds)
-        self.metrics.bytes_reloaded.inc(job.size)
-        self.last_reload = {
-            "version": version,
-            "duration_ms": round(outcome.seconds * 1000, 3),
-            "at": time.time(),
-        }
-        self.log.info(
-            "reload.succeeded",
-            version=version,
-            path=path,
-            bytes=job.size,
-            duration_ms=round(outcome.seconds * 1000, 3),
-            gb_per_s=round(job.size / outcome.seconds / 1e9, 3) if outcome.seconds > 0 else None,
-            **(outcome.timings or {}),
-        )
-
-    def _canary_failed(self, outcome: Outcome) -> None:
-        """Loaded, but the engine answered like broken weights: reject it; the worker has
-        already loaded the fallback back when there was one."""
-        job, reason = outcome.job, f"canary: {outcome.canary_failed}"
-        self.metrics.reloads.labels(result="failed").inc()
-        self.reject(job.candidate.name, job.target.version, reason, job.candidate.fingerprint, check="canary")
-        if outcome.rolled_back and job.fallback is not None:
-            self.metrics.rollbacks.labels(cause="canary").inc()
-            self.log.warning(
-                "reload.rolled_back",
-                version=job.target.version,
-                to_version=job.fallback.version,
-                cause="canary",
-                reason=reason,
-                clean_after_probes=outcome.flush_probes or None,
-            )
-            fallback = self.state.last_good or self.state.serving
-            if fallback is not None and fallback.version == job.fallback.version:
-                self._set_serving(fallback)
-            return
-        if outcome.error is not None:  # the rollback itself failed: the engine is down or wedged
-            self.log.error("reload.rollback_failed", version=job.target.version, reason=str(outcome.error))
-            self._set_serving(None)
-            self._engine_down(outcome.error)
-            return
-        # Nothing to go back to: it stays loaded, rejected, and the next good one replaces it.
-        self.log.error("reload.canary_failed_no_fallback", version=job.target.version, reason=reason)
-        self._set_serving(
-            Loaded(name=job.candidate.name, version=job.target.version, path=job.target.path,
-                   since=time.time(), step=job.candidate.step)
-        )  # fmt: skip
+        outcomes.record(self, outcome)
 
     # -- the control socket's commands (called on the main loop) -----------------------------
 
@@ -372,7 +287,7 @@ class Reloader:
             self.candidates.pop(name, None)
             self.log.info("cache.pruned", name=name, kept=sorted(protected - {""}))
 
-    def _set_serving(self, serving: Loaded | None, *, last_good: Loaded | None = None) -> None:
+    def set_serving(self, serving: Loaded | None, *, last_good: Loaded | None = None) -> None:
         if serving is not None and serving.step is not None:
             self.metrics.serving_step.set(serving.step)
         update: dict[str, Any] = {"serving": serving}
@@ -403,7 +318,7 @@ class Reloader:
         except StateError as exc:
             self.log.error("state.write_failed", reason=str(exc))
 
-    def _engine_down(self, exc: EngineError) -> None:
+    def engine_down(self, exc: EngineError) -> None:
         self.reconciled = False
         self.engine_up = False
         self.metrics.engine_up.set(0)
@@ -420,7 +335,7 @@ class Reloader:
         try:
             self.client.resume()
         except (EngineUnavailable, EngineCallFailed) as exc:
-            self._engine_down(exc)
+            self.engine_down(exc)
             return
         self.resume_owed = False
         self.log.info("engine.resumed")
