@@ -11,13 +11,17 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from conftest import write_manifest
@@ -265,6 +269,96 @@ def test_e2e_cli_pin_and_unpin_steer_the_real_engine(world: World):
     while world.engine.weight_version() != newest:
         assert time.monotonic() < deadline, "unpin did not bring the newest back"
         time.sleep(0.1)
+    world.assert_unchanged()
+
+
+class Load:
+    """Clients streaming completions from the engine without pause, each request counted."""
+
+    def __init__(self, url: str, clients: int) -> None:
+        self.url, self.stop = url, threading.Event()
+        self.ok = 0
+        self.failed: list[str] = []
+        self.latencies: list[tuple[float, float]] = []  # (start, seconds)
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
+
+    def __enter__(self) -> Load:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=120)
+
+    def _client(self, i: int) -> None:
+        with httpx.Client(base_url=self.url, timeout=120) as http:
+            while not self.stop.is_set():
+                started = time.monotonic()
+                body = {
+                    "prompt": f"w{i} w{i + 1} w{i + 2}",
+                    "max_tokens": 16,
+                    "temperature": 0,
+                    "stream": True,
+                }
+                try:
+                    with http.stream("POST", "/v1/completions", json=body) as response:
+                        lines = [line for line in response.iter_lines() if line]
+                    whole = response.status_code == 200 and lines[-1] == "data: [DONE]"
+                    problem = (
+                        "" if whole and not any('"error"' in line for line in lines) else lines[-1][:200]
+                    )
+                except httpx.HTTPError as exc:
+                    problem = f"{type(exc).__name__}: {exc}"
+                with self.lock:
+                    if problem:
+                        self.failed.append(problem)
+                    else:
+                        self.ok += 1
+                        self.latencies.append((started, time.monotonic() - started))
+
+
+def _set_pause_mode(world: World, mode: str) -> None:
+    text = world.config.read_text()
+    text = re.sub(r'pause_mode = "[a-z]+"\n', "", text).replace(
+        "[engine]\n", f'[engine]\npause_mode = "{mode}"\n'
+    )
+    world.config.write_text(text)
+    before = len(world.daemon.events("config.reloaded"))
+    world.daemon.process.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 30
+    while len(world.daemon.events("config.reloaded")) == before:
+        assert time.monotonic() < deadline, "no config.reloaded"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("mode", ["keep", "wait"])
+def test_e2e_hot_reloads_under_load_lose_no_request(world: World, mode: str):
+    """8 clients streaming while 5 reloads happen: every request completes, none errors."""
+    _set_pause_mode(world, mode)
+    windows = []
+    try:
+        with Load(world.engine.url, clients=8) as load:
+            time.sleep(1.0)
+            for i in range(5):
+                name, staged = world.stage("A" if i % 2 == 0 else "B")
+                list_files(staged, name, step=_next_step_above_serving(world))
+                staged.rename(world.root / name)
+                done = world.daemon.wait_for("reload.succeeded", version=name, timeout=120)
+                windows.append(float(done["duration_ms"]) / 1000)
+                world.serving = name
+            time.sleep(1.0)
+    finally:
+        _set_pause_mode(world, "keep")
+    assert load.failed == [], load.failed[:5]
+    assert load.ok > 40, "the clients must have been busy throughout"
+    worst = max(seconds for _, seconds in load.latencies)
+    print(f"\n{mode}: {load.ok} requests, 0 lost; worst latency {worst * 1000:.0f} ms; "
+          f"reloads {[round(w * 1000) for w in windows]} ms")  # fmt: skip
+    world.expected = world.engine.complete()
+    assert world.expected == world.fresh_a, "the last of the five was A"
     world.assert_unchanged()
 
 
