@@ -81,12 +81,12 @@ class Engine:
         return texts
 
 
-def start_engine(model: Path, log_path: Path) -> Engine:
+def start_engine(model: Path, log_path: Path, port: int | None = None) -> Engine:
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
         pytest.fail(f"vLLM is not installed in this environment ({exc}); run the README's test command")
-    port = free_port()
+    port = port or free_port()
     env = {**os.environ, **ENGINE_ENV}
     command = engine_command(model, port, ENGINE_DTYPE)
     log = log_path.open("wb")
@@ -107,11 +107,11 @@ def start_engine(model: Path, log_path: Path) -> Engine:
 class DaemonProcess:
     """`vllm-reloader run` as a subprocess, its JSON log lines collected as they come."""
 
-    def __init__(self, config_path: Path, *args: str) -> None:
+    def __init__(self, config_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.lines: list[dict[str, object]] = []
         self.raw: list[str] = []
         self._new: queue.SimpleQueue[None] = queue.SimpleQueue()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "vllm_reloader", "run", "--config", str(config_path), *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,

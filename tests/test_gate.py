@@ -244,3 +244,18 @@ def test_gate_fingerprint_follows_manifest_bytes(make_checkpoint: MakeCheckpoint
     time.sleep(0.01)
     write_manifest(directory, step=7)
     assert gate.check(directory, serving=None).fingerprint != before
+
+
+def test_gate_pending_when_manifest_changes_while_being_verified(
+    make_checkpoint: MakeCheckpoint, monkeypatch
+):
+    directory = make_checkpoint("step-1", step=1)
+    real = gate._check_digests
+
+    def rewrite_then_hash(*args, **kwargs):
+        write_manifest(directory, step=2)  # the producer replaced it mid-check
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gate, "_check_digests", rewrite_then_hash)
+    verdict = gate.check(directory, serving=None)
+    assert verdict.status == "pending" and "changed while it was being checked" in verdict.reason
