@@ -50,6 +50,9 @@ class FakeEngine:
             return httpx.Response(200, json={"results": [None]})
         if path == "/reset_prefix_cache":
             return httpx.Response(200, json={"success": True})
+        if path == "/metrics":
+            return httpx.Response(200, text="# HELP x\nvllm:num_requests_running{model_name=\"tiny\"} 3.0\n"
+                                  "vllm:num_requests_waiting{model_name=\"tiny\"} 2.0\n")  # fmt: skip
         if path == "/v1/completions":
             value = float("nan") if self.loaded in self.garbage else -0.5
             body = {"choices": [{"logprobs": {"token_logprobs": [value] * 2}}]}  # NaN as Python writes it

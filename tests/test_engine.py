@@ -89,3 +89,11 @@ def test_engine_error_status_is_translated_with_message():
 
 def test_engine_reads_startup_model_from_server_info():
     assert FakeEngine(startup="/models/a").client().startup_model() == "/models/a"
+
+
+def test_engine_swap_in_abort_mode_counts_the_requests_it_drops():
+    engine = FakeEngine()
+    timings = hot_swap(engine.client(pause_mode="abort"), NEW, fallback=OLD, on_resume_failed=print)
+    assert timings["aborted_requests"] == 5  # running 3 + waiting 2, read just before /pause
+    assert engine.calls[:2] == ["/metrics", "/pause"]
+    assert "aborted_requests" not in swap(FakeEngine())[0], "keep mode drops nothing"

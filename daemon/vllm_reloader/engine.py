@@ -71,6 +71,22 @@ class EngineClient:
         except (KeyError, TypeError) as exc:
             raise EngineCallFailed("/server_info: no model path in answer", endpoint="/server_info") from exc
 
+    def requests_in_flight(self) -> int | None:
+        """Running + waiting requests, from the engine's Prometheus `/metrics`; None if unknown."""
+        try:
+            response = self._http.get("/metrics", timeout=self.config.timeout)
+        except httpx.HTTPError:
+            return None
+        total, found = 0.0, False
+        for line in response.text.splitlines():
+            if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
+                try:
+                    total += float(line.rsplit(" ", 1)[1])
+                    found = True
+                except (IndexError, ValueError):
+                    continue
+        return int(total) if found and response.status_code == 200 else None
+
     def is_paused(self) -> bool:
         body = self._call("GET", "/is_paused")
         return bool(body.get("is_paused")) if isinstance(body, dict) else False
@@ -164,6 +180,10 @@ def hot_swap(
     """
     timings: dict[str, float] = {}
     failpoints.hit("before_pause")
+    if client.config.pause_mode == "abort":  # it drops what is in flight: say how much
+        aborted = client.requests_in_flight()
+        if aborted is not None:
+            timings["aborted_requests"] = aborted
     try:
         with _timed(timings, "pause"):
             client.pause(client.config.pause_mode)
