@@ -18,6 +18,18 @@ from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 from watchdog.observers.polling import PollingObserver
 
+try:  # Linux only
+    from watchdog.observers.inotify_move_event_grouper import InotifyMoveEventGrouper
+except ImportError:  # pragma: no cover
+    InotifyMoveEventGrouper = None  # type: ignore[assignment,misc]
+
+# watchdog holds each IN_MOVED_FROM up to 0.5 s to pair it with its IN_MOVED_TO, and its
+# queue can sit out the whole delay even after the pair arrived: a publish (a rename inside
+# the root) was then seen ~500 ms late about one time in six (bench/detection.py). Both
+# halves map to a candidate name here, so pairing buys nothing: no delay.
+if InotifyMoveEventGrouper is not None:
+    InotifyMoveEventGrouper.delay = 0.0
+
 # Names trainers write while a checkpoint is not done yet, never candidates themselves
 # (dot-directories neither): Orbax's temporary directories, HF Trainer's, partial files, and
 # NeMo's `<name>-unfinished` marker (which also holds `<name>` pending; see `gate`).

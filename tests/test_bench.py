@@ -1,11 +1,11 @@
-"""The benchmarks run (tiny sizes): they must not rot. Their numbers are read, not asserted."""
+"""The bench run (tiny sizes): they must not rot. Their numbers are read, not asserted."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+BENCHMARKS = Path(__file__).parent.parent / "bench"
 
 
 def test_download_benchmark_reports_a_ratio_against_boto3():

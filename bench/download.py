@@ -5,7 +5,7 @@ Not a timed test: it prints each round and the median ratio (ours / boto3). Ours
 per byte (blake3 of every file while streaming, fsync, journal for resume), so a ratio
 near or above 1 means that work is hidden behind the transfer.
 
-    .venv/bin/python benchmarks/download.py [--mb 256] [--files 4] [--rounds 3]
+    .venv/bin/python bench/download.py [--mb 256] [--files 4] [--rounds 3]
 """
 
 from __future__ import annotations
