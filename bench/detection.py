@@ -2,7 +2,8 @@
 
 Baseline, same run, same filesystem: how long watchdog itself takes to report the same
 rename (staged inside the root, as `publish` does; inotify, or a polling observer at the same
-interval) — the floor no daemon built on it can beat. The daemon's figure includes gating the checkpoint (a tiny one, digests on).
+interval) — the floor no daemon built on it can beat. The daemon's figure includes gating
+the checkpoint (a tiny one, digests and the NaN scan on).
 
     .venv/bin/python bench/detection.py [--runs 50] [--poll-interval 0.1]
 """
