@@ -1,18 +1,25 @@
-"""The bench run (tiny sizes): they must not rot. Their numbers are read, not asserted."""
+"""The benchmark suite runs (`--quick`): it must not rot. Its numbers are read, not asserted."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).parent.parent / "bench"
+BENCH = Path(__file__).parent.parent / "bench"
 
 
-def test_download_benchmark_reports_a_ratio_against_boto3():
-    tiny = ["--mb", "2", "--files", "2", "--rounds", "2", "--part-mb", "1"]
-    command = [sys.executable, str(BENCHMARKS / "download.py"), *tiny]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["bytes"] == 2_000_000 and report["ratio"] > 0
-    assert report["ours_mb_per_s"] > 0 and report["boto3_mb_per_s"] > 0
+def test_bench_quick_run_writes_every_benchmark_with_its_ratio(tmp_path):
+    out = tmp_path / "results.json"
+    command = [sys.executable, str(BENCH / "run.py"), "--quick", "--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    by_name: dict[str, list[dict]] = {}
+    for row in report["results"]:
+        by_name.setdefault(row["benchmark"], []).append(row)
+    assert set(by_name) == {"detection", "gate", "download", "footprint"}
+    assert {r["mode"] for r in by_name["detection"]} == {"inotify", "polling"}
+    assert all(r["ratio_p50"] > 0 for r in by_name["detection"])
+    assert all(r["ratio"] > 0 for r in by_name["gate"] + by_name["download"])
+    assert by_name["footprint"][0]["rss_ratio"] > 0
+    assert "detection  mode=inotify" in result.stdout

@@ -1,0 +1,78 @@
+"""Every benchmark, one command: a table on stdout, all rows as JSON in `--out`.
+
+Each figure is a ratio against a baseline measured in the same run (these machines are
+noisy). `--quick` shrinks sizes and counts to check the suite works, not to measure.
+
+    .venv/bin/python bench/run.py [--quick] [--out bench/results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import detection
+import download
+import footprint
+import gate
+
+QUICK = {
+    "detection": ["--runs", "5"],
+    "gate": ["--sizes-mb", "10", "--shards", "1,8"],
+    "download": ["--mb", "8", "--files", "2", "--rounds", "2", "--part-mb", "1"],
+    "footprint": ["--checkpoints", "20", "--seconds", "2"],
+}
+FULL = {
+    "detection": [],
+    "gate": ["--sizes-mb", "10,100,1000", "--shards", "1,8,64"],
+    "download": [],
+    "footprint": [],
+}
+
+
+def _machine() -> dict[str, object]:
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+         if line.startswith("model name")), platform.processor(),
+    )  # fmt: skip
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "at": time.strftime("%F %T"),
+    }
+
+
+def _row(result: dict[str, object]) -> str:
+    name = result.pop("benchmark")
+    return f"{name:<10} " + "  ".join(f"{k}={v}" for k, v in result.items())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results.json")
+    args = parser.parse_args()
+    plan = QUICK if args.quick else FULL
+    rows: list[dict[str, object]] = []
+    for module in (detection, gate, download, footprint):
+        name = module.__name__
+        with contextlib.redirect_stdout(io.StringIO()):  # each prints its JSON lines; the table is ours
+            found = module.main(plan[name])
+        rows.extend(found if isinstance(found, list) else [found])
+    report = {"machine": _machine(), "quick": args.quick, "results": rows}
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"machine: {report['machine']}")
+    for row in rows:
+        print(_row(dict(row)))
+    print(f"JSON: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
