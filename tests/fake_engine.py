@@ -19,6 +19,9 @@ class FakeEngine:
         self.startup = startup
         self.loaded = startup
         self.paused = False
+        self.sleep_mode = False
+        self.asleep: set[str] = set()
+        """What is asleep: "weights", "kv_cache"."""
         self.garbage: set[str] = set()
         """Checkpoint paths whose weights answer with NaN logprobs (a diverged run)."""
         self.fail: dict[str, Callable[[], httpx.Response]] = {}
@@ -36,7 +39,17 @@ class FakeEngine:
         if path == "/weight_info":
             return httpx.Response(200, json={"weight_version": self.version})
         if path == "/server_info":
-            return httpx.Response(200, json={"vllm_config": {"model_config": {"model": self.startup}}})
+            model_config = {"model": self.startup, "enable_sleep_mode": self.sleep_mode}
+            return httpx.Response(200, json={"vllm_config": {"model_config": model_config}})
+        if path == "/sleep":
+            self.asleep = {"weights", "kv_cache"}
+            self.calls[-1] = f"/sleep?level={request.url.params['level']}&mode={request.url.params['mode']}"
+            return httpx.Response(200, json={"status": "sleeping"})
+        if path == "/wake_up":
+            tags = request.url.params.get_list("tags") or ["weights", "kv_cache"]
+            self.asleep -= set(tags)
+            self.calls[-1] = f"/wake_up?tags={','.join(tags)}"
+            return httpx.Response(200, json={"status": "awake"})
         if path == "/pause":
             self.paused = True
             return httpx.Response(200, json={"status": "paused"})
@@ -46,6 +59,8 @@ class FakeEngine:
         if path == "/is_paused":
             return httpx.Response(200, json={"is_paused": self.paused})
         if path == "/collective_rpc":
+            if "weights" in self.asleep:
+                return httpx.Response(500, json={"error": {"message": "weights are asleep"}})
             self.loaded = body["kwargs"]["weights_path"]
             return httpx.Response(200, json={"results": [None]})
         if path == "/reset_prefix_cache":

@@ -97,3 +97,31 @@ def test_engine_swap_in_abort_mode_counts_the_requests_it_drops():
     assert timings["aborted_requests"] == 5  # running 3 + waiting 2, read just before /pause
     assert engine.calls[:2] == ["/metrics", "/pause"]
     assert "aborted_requests" not in swap(FakeEngine())[0], "keep mode drops nothing"
+
+
+def test_engine_sleep_strategy_frees_the_kv_cache_around_the_reload():
+    engine = FakeEngine()
+    timings = hot_swap(engine.client(), NEW, fallback=OLD, on_resume_failed=print, strategy="sleep")
+    assert engine.calls == [
+        "/pause",
+        "/update_weight_version",
+        "/sleep?level=2&mode=keep",  # keep: /sleep would abort the frozen requests otherwise
+        "/wake_up?tags=weights",
+        "reload:/root/step-2",
+        "/wake_up?tags=kv_cache",
+        "/reset_prefix_cache",
+        "/update_weight_version",
+        "/resume",
+    ]
+    assert engine.asleep == set() and not engine.paused and engine.version == "step-2"
+    assert {"sleep_ms", "wake_ms"} <= set(timings)
+
+
+def test_engine_sleep_strategy_wakes_everything_when_the_reload_fails():
+    engine = FakeEngine()
+    engine.fail["reload:/root/step-2"] = error(500, "shape mismatch")
+    engine.fail["reload:/root/step-1"] = error(500, "and again")
+    with pytest.raises(ReloadFailed):
+        hot_swap(engine.client(), NEW, fallback=OLD, on_resume_failed=print, strategy="sleep")
+    assert engine.calls[-2:] == ["/wake_up?tags=weights,kv_cache", "/resume"]
+    assert engine.asleep == set() and not engine.paused

@@ -86,6 +86,9 @@ class GateConfig(_Section):
 class EngineConfig(_Section):
     url: str
     pause_mode: Literal["keep", "wait", "abort"] = "keep"
+    strategy: Literal["inplace", "sleep", "auto"] = "auto"
+    """`sleep` wraps the reload in sleep level 2 / wake_up (engines with --enable-sleep-mode);
+    `auto` uses it when `/server_info` says sleep mode is on."""
     timeout: float = Field(10.0, gt=0)
     """Per-call timeout for the quick calls (pause, resume, reset, version, info)."""
     pause_timeout: float = Field(120.0, gt=0)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
@@ -63,13 +63,29 @@ class EngineClient:
             raise EngineCallFailed("/weight_info: no weight_version in answer", endpoint="/weight_info")
         return str(body["weight_version"])
 
-    def startup_model(self) -> str:
-        """The model path the engine was started with (`/server_info` keeps it after reloads)."""
+    def _model_config(self) -> dict[str, Any]:
         body = self._call("GET", "/server_info", params={"config_format": "json"})
         try:
-            return str(body["vllm_config"]["model_config"]["model"])
+            config = body["vllm_config"]["model_config"]
+            str(config["model"])
         except (KeyError, TypeError) as exc:
             raise EngineCallFailed("/server_info: no model path in answer", endpoint="/server_info") from exc
+        return dict(config)
+
+    def startup_model(self) -> str:
+        """The model path the engine was started with (`/server_info` keeps it after reloads)."""
+        return str(self._model_config()["model"])
+
+    def sleep_mode_enabled(self) -> bool:
+        """Started with `--enable-sleep-mode` (GPU/XPU only: vLLM 0.32 refuses it on CPU)."""
+        return bool(self._model_config().get("enable_sleep_mode"))
+
+    def sleep(self, level: int, mode: str) -> None:
+        """`mode` matters: /sleep aborts in-flight requests unless told to keep them."""
+        self._call("POST", "/sleep", params={"level": level, "mode": mode}, timeout=self.config.pause_timeout)
+
+    def wake_up(self, tags: tuple[str, ...] = ()) -> None:
+        self._call("POST", "/wake_up", params=[("tags", t) for t in tags], timeout=self.config.reload_timeout)
 
     def requests_in_flight(self) -> int | None:
         """Running + waiting requests, from the engine's Prometheus `/metrics`; None if unknown."""
@@ -171,12 +187,18 @@ def hot_swap(
     *,
     fallback: Target | None,
     on_resume_failed: Callable[[EngineError], None],
+    strategy: Literal["inplace", "sleep"] = "inplace",
 ) -> dict[str, float]:
     """pause → mark reloading → reload_weights → reset prefix cache → set version → resume.
 
+    `sleep` (engines started with `--enable-sleep-mode`) wraps the reload: sleep level 2
+    (weights and KV cache dropped, buffers kept) → wake the weights (same virtual addresses,
+    so CUDA graphs stay valid) → reload → wake the KV cache. The KV cache's memory is free
+    for the loader's transient buffers, so no headroom beyond the weights is needed.
+
     Returns per-phase durations. Raises `ReloadFailed` (after restoring `fallback` when the
     engine is still answering) or `EngineUnavailable`. Whatever happens after the pause
-    request was sent, resume is attempted before returning.
+    request was sent, the engine is woken (sleep) and resume attempted before returning.
     """
     timings: dict[str, float] = {}
     failpoints.hit("before_pause")
@@ -184,24 +206,43 @@ def hot_swap(
         aborted = client.requests_in_flight()
         if aborted is not None:
             timings["aborted_requests"] = aborted
+    asleep = False
     try:
         with _timed(timings, "pause"):
             client.pause(client.config.pause_mode)
         failpoints.hit("after_pause")
         client.set_weight_version(RELOADING_PREFIX + target.version)
+        if strategy == "sleep":
+            with _timed(timings, "sleep"):
+                asleep = True
+                client.sleep(2, client.config.pause_mode)
+                client.wake_up(("weights",))
         with _timed(timings, "reload"):
             try:
                 client.reload_weights(target.path)
             except EngineError as exc:
                 raise _restore(client, fallback, exc) from exc
         failpoints.hit("after_reload")
+        if asleep:
+            with _timed(timings, "wake"):
+                client.wake_up(("kv_cache",))
+                asleep = False
         with _timed(timings, "reset"):
             client.reset_prefix_cache()
         client.set_weight_version(target.version)
     finally:
+        if asleep:  # a failure on the way: an engine left asleep serves nothing
+            _wake_all(client, on_resume_failed)
         with _timed(timings, "resume"):
             _resume(client, on_resume_failed)
     return timings
+
+
+def _wake_all(client: EngineClient, on_failed: Callable[[EngineError], None]) -> None:
+    try:
+        client.wake_up()
+    except EngineError as exc:
+        on_failed(exc)
 
 
 def _restore(client: EngineClient, fallback: Target | None, cause: EngineError) -> ReloadFailed:

@@ -34,6 +34,7 @@ class Reloader:
         self.last_report: dict[str, tuple[str, str]] = {}
         self.baseline: layout.Layout | None = None
         self.startup: str | None = None
+        self.sleep_capable = False
         self.reconciled = False
         self.resume_owed = False
         self.backoff = config.engine.retry_initial
@@ -119,6 +120,7 @@ class Reloader:
         """Learn what the engine serves, so nothing is reloaded needlessly after a restart."""
         version = self.client.weight_version()
         startup = self.startup = self.client.startup_model()
+        self.sleep_capable = self.config.engine.strategy == "auto" and self.client.sleep_mode_enabled()
         self._rescan()
         serving = reconcile.serving(
             version, startup, known=self.state.serving, root=self.root, candidates=self.candidates
@@ -218,6 +220,9 @@ class Reloader:
         lag_ms = _detection_lag_ms(Path(path))
         if lag_ms is not None and candidate.fingerprint:  # not for restores of old checkpoints
             self.metrics.detection_lag.observe(lag_ms / 1000)
+        strategy = self.config.engine.strategy
+        if strategy == "auto":
+            strategy = "sleep" if self.sleep_capable else "inplace"
         self.log.info(
             "reload.started",
             version=version,
@@ -225,6 +230,7 @@ class Reloader:
             bytes=size,
             from_version=serving.version if serving else None,
             detect_ms=lag_ms,
+            strategy=strategy,
         )
         self.in_flight = Job(
             client=self.client,
@@ -233,6 +239,7 @@ class Reloader:
             fallback=Target(fallback.version, fallback.path) if fallback else None,
             size=size,
             canary=self.config.canary,
+            strategy=strategy,
         )
         self.worker.submit(self.in_flight)
 

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from . import canary, policy
 from .config import CanaryConfig
@@ -30,6 +31,7 @@ class Job:
     fallback: Target | None
     size: int
     canary: CanaryConfig = field(default_factory=CanaryConfig)
+    strategy: Literal["inplace", "sleep"] = "inplace"
     started: float = field(default_factory=time.monotonic)
 
 
@@ -72,7 +74,11 @@ class ReloadWorker:
             started = time.perf_counter()
             try:
                 timings = hot_swap(
-                    job.client, job.target, fallback=job.fallback, on_resume_failed=resume_errors.append
+                    job.client,
+                    job.target,
+                    fallback=job.fallback,
+                    on_resume_failed=resume_errors.append,
+                    strategy=job.strategy,
                 )
                 outcome = Outcome(job, time.perf_counter() - started, timings=timings)
             except EngineError as exc:
@@ -92,7 +98,13 @@ class ReloadWorker:
         if job.fallback is None:
             return replace(outcome, timings=timings, canary_failed=reason)
         try:
-            hot_swap(job.client, job.fallback, fallback=None, on_resume_failed=resume_errors.append)
+            hot_swap(
+                job.client,
+                job.fallback,
+                fallback=None,
+                on_resume_failed=resume_errors.append,
+                strategy=job.strategy,
+            )
         except EngineError as exc:
             return replace(outcome, timings=timings, canary_failed=reason, error=exc)
         # The bad weights' requests left non-finite keys/values in freed KV blocks; requests
