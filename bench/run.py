@@ -3,7 +3,9 @@
 Each figure is a ratio against a baseline measured in the same run (these machines are
 noisy). `--quick` shrinks sizes and counts to check the suite works, not to measure.
 
-    .venv/bin/python bench/run.py [--quick] [--out bench/results.json]
+    .venv/bin/python bench/run.py [--quick] [--engine] [--out bench/results.json]
+
+`--engine` adds the end-to-end run on a real CPU vLLM engine (a ~1 GB model; minutes).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import detection
 import download
+import e2e
 import footprint
 import gate
 
@@ -27,12 +30,14 @@ QUICK = {
     "gate": ["--sizes-mb", "10", "--shards", "1,8"],
     "download": ["--mb", "8", "--files", "2", "--rounds", "2", "--part-mb", "1"],
     "footprint": ["--checkpoints", "20", "--seconds", "2"],
+    "e2e": ["--hidden", "64", "--layers", "2"],
 }
 FULL = {
     "detection": [],
     "gate": ["--sizes-mb", "10,100,1000", "--shards", "1,8,64"],
     "download": [],
     "footprint": [],
+    "e2e": [],
 }
 
 
@@ -57,11 +62,12 @@ def _row(result: dict[str, object]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--engine", action="store_true", help="also the end-to-end run on a CPU vLLM engine")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results.json")
     args = parser.parse_args()
     plan = QUICK if args.quick else FULL
     rows: list[dict[str, object]] = []
-    for module in (detection, gate, download, footprint):
+    for module in (detection, gate, download, footprint, *((e2e,) if args.engine else ())):
         name = module.__name__
         with contextlib.redirect_stdout(io.StringIO()):  # each prints its JSON lines; the table is ours
             found = module.main(plan[name])

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).parent.parent / "bench"
 
 
@@ -23,3 +25,14 @@ def test_bench_quick_run_writes_every_benchmark_with_its_ratio(tmp_path):
     assert all(r["ratio"] > 0 for r in by_name["gate"] + by_name["download"])
     assert by_name["footprint"][0]["rss_ratio"] > 0
     assert "detection  mode=inotify" in result.stdout
+
+
+@pytest.mark.engine
+def test_bench_e2e_on_a_real_engine_splits_publish_to_serving_into_phases():
+    command = [sys.executable, str(BENCH / "e2e.py"), "--hidden", "64", "--layers", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["benchmark"] == "e2e" and report["bytes"] > 0
+    assert all(report[k] is not None for k in ("detect_ms", "gate_ms", "pause_ms", "reload_ms", "resume_ms"))
+    assert report["ratio_vs_restart"] > 0 and report["engine_restart_s"] > 0

@@ -1,0 +1,87 @@
+"""End to end on a real CPU vLLM engine: publish → serving, split into its phases.
+
+A random Llama of about `--gb` GB (bf16 on disk), served by the CPU engine; a second one with
+the same layout is published and hot-reloaded. Baselines, same run: (a) the engine's own
+restart on the same checkpoint (stop, start, healthy), (b) the page-cache memcpy bound
+(bytes ÷ measured memcpy bandwidth of this machine).
+
+    .venv/bin/python bench/e2e.py [--hidden 2048 --layers 12]   # ~1 GB
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from _common import emit
+
+
+def _memcpy_gb_per_s(nbytes: int) -> float:
+    import numpy as np
+
+    source = np.ones(nbytes, dtype=np.uint8)
+    target = np.empty_like(source)
+    best = min(_timed_copy(source, target) for _ in range(3))
+    return nbytes / best / 1e9
+
+
+def _timed_copy(source, target) -> float:  # type: ignore[no-untyped-def]
+    started = time.perf_counter()
+    target[:] = source
+    return time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=12)
+    args = parser.parse_args(argv)
+
+    from engine_fixtures import DaemonProcess, daemon_config, start_engine
+    from vllm_reloader.publish import publish
+    from vllm_reloader.tinymodel import write_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="vllm-reloader-bench-") as scratch:
+        base = Path(scratch)
+        root = base / "root"
+        publish(
+            write_checkpoint(base / "a", seed=1, hidden_size=args.hidden, layers=args.layers), root, step=1
+        )
+        write_checkpoint(base / "b", seed=2, hidden_size=args.hidden, layers=args.layers)
+        nbytes = sum(p.stat().st_size for p in (root / "step-1").glob("*.safetensors"))
+        engine = start_engine(root / "step-1", base / "engine.log")  # cold: not the baseline
+        engine.stop()
+        started = time.perf_counter()
+        engine = start_engine(root / "step-1", base / "engine-2.log")
+        restart_s = time.perf_counter() - started
+        engine.complete()  # warm, including the logprobs path the canary takes (seconds, once)
+        engine.http.post("/v1/completions", json={"prompt": "w1", "max_tokens": 1, "logprobs": 1})
+        config = daemon_config(base / "d.toml", root=root, engine_url=engine.url, state_dir=base / "s")
+        daemon = DaemonProcess(config)
+        try:
+            daemon.wait_for("engine.reconciled", version="step-1", timeout=120)
+            begun = time.perf_counter()
+            publish(base / "b", root, step=2)
+            done = daemon.wait_for("reload.succeeded", version="step-2", timeout=600)
+            total_s = time.perf_counter() - begun
+            started_event = daemon.wait_for("reload.started", version="step-2")
+            ready = daemon.wait_for("checkpoint.ready", version="step-2")
+        finally:
+            daemon.stop()
+            engine.stop()
+    bandwidth = _memcpy_gb_per_s(min(nbytes, 1 << 30))
+    phases = {k: done.get(k) for k in ("pause_ms", "reload_ms", "reset_ms", "resume_ms", "canary_ms")}
+    reload_s = float(phases["reload_ms"] or 0) / 1000
+    return emit({
+        "benchmark": "e2e", "bytes": nbytes, "publish_to_serving_s": round(total_s, 3),
+        "detect_ms": started_event.get("detect_ms"), "gate_ms": ready.get("gate_ms"), **phases,
+        "engine_restart_s": round(restart_s, 2), "ratio_vs_restart": round(total_s / restart_s, 3),
+        "memcpy_gb_per_s": round(bandwidth, 2), "memcpy_bound_ms": round(nbytes / bandwidth / 1e6, 1),
+        "reload_vs_memcpy_bound": round(reload_s / (nbytes / bandwidth / 1e9), 2),
+    })  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
