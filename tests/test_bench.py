@@ -36,3 +36,20 @@ def test_bench_e2e_on_a_real_engine_splits_publish_to_serving_into_phases():
     assert report["benchmark"] == "e2e" and report["bytes"] > 0
     assert all(report[k] is not None for k in ("detect_ms", "gate_ms", "pause_ms", "reload_ms", "resume_ms"))
     assert report["ratio_vs_restart"] > 0 and report["engine_restart_s"] > 0
+
+
+def test_bench_gpu_datapath_script_runs_on_cpu_until_a_gpu_is_lent():
+    command = [
+        sys.executable,
+        str(BENCH / "gpu_datapath.py"),
+        "--device",
+        "cpu",
+        "--gb",
+        "0.02",
+        "--tensors",
+        "4",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["device"] == "cpu" and report["bytes"] > 0 and report["ratio"] > 0
