@@ -272,24 +272,20 @@ def test_daemon_with_canary_off_does_not_probe(start, root, make_checkpoint):
     assert "/v1/completions" not in engine.calls
 
 
-def test_daemon_auto_strategy_sleeps_only_engines_with_sleep_mode(start, root, make_checkpoint):
+@pytest.mark.parametrize(("sleep_mode", "strategy"), [(True, "sleep"), (False, "inplace")])
+def test_daemon_auto_strategy_sleeps_only_engines_with_sleep_mode(
+    start, root, make_checkpoint, sleep_mode, strategy
+):
     make_checkpoint("step-1", step=1, root=root)
     engine = FakeEngine(startup=str(root / "step-1"))
-    engine.sleep_mode = True
+    engine.sleep_mode = sleep_mode
     running = start(engine)
     running.wait_for("engine.reconciled")
     make_checkpoint("step-2", step=2, root=root)
-    assert running.wait_for("reload.started", version="step-2")["strategy"] == "sleep"
+    assert running.wait_for("reload.started", version="step-2")["strategy"] == strategy
     running.wait_for("reload.succeeded", version="step-2")
-    assert "/sleep?level=2&mode=keep" in engine.calls and engine.asleep == set()
-
-
-def test_daemon_auto_strategy_reloads_in_place_without_sleep_mode(start, root, make_checkpoint):
-    make_checkpoint("step-1", step=1, root=root)
-    engine = FakeEngine(startup=str(root / "step-1"))
-    running = start(engine)
-    running.wait_for("engine.reconciled")
-    make_checkpoint("step-2", step=2, root=root)
-    assert running.wait_for("reload.started", version="step-2")["strategy"] == "inplace"
-    running.wait_for("reload.succeeded", version="step-2")
-    assert not [c for c in engine.calls if c.startswith(("/sleep", "/wake_up"))]
+    sleeps = [c for c in engine.calls if c.startswith(("/sleep", "/wake_up"))]
+    if sleep_mode:
+        assert "/sleep?level=2&mode=keep" in sleeps and engine.asleep == set()
+    else:
+        assert not sleeps

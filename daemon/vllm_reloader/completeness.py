@@ -78,6 +78,11 @@ def _read_regular(path: Path) -> tuple[bytes, float] | None:
     return path.read_bytes()[:MAX_LISTING_BYTES], info.st_mtime
 
 
+def is_top_level_shard(name: str) -> bool:
+    """A shard name an index or a marker may point at: the engine loads only these."""
+    return "/" not in name and not name.startswith(".") and name.endswith(WEIGHT_SUFFIX)
+
+
 def wanted(name: str, convention: Convention) -> bool:
     """Is this top-level file part of a foreign writer's checkpoint, as far as serving goes?"""
     return name.endswith((WEIGHT_SUFFIX, *METADATA_SUFFIXES)) or name in convention.markers
@@ -207,7 +212,7 @@ def _from_headers(directory: Path, weights: list[str], fp: str) -> Listed | Inco
     files = []
     for name in weights:
         path = directory / name
-        if "/" in name or name.startswith(".") or not name.endswith(WEIGHT_SUFFIX):
+        if not is_top_level_shard(name):
             return Incomplete("rejected", f"shard {name!r} is not a top-level .safetensors file", fp, "paths")
         try:
             size = layout.file_size_from_header(path)

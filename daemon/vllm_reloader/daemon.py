@@ -70,7 +70,7 @@ class Daemon:
         return RemoteSource(
             config,
             serving=self.reloader.serving_key,
-            rejected=lambda: {name: r.fingerprint for name, r in self.reloader.state.rejected.items()},
+            rejected=self.reloader.rejected_fingerprints,
             post=self.inbox.put,
         )
 

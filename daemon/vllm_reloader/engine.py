@@ -63,7 +63,9 @@ class EngineClient:
             raise EngineCallFailed("/weight_info: no weight_version in answer", endpoint="/weight_info")
         return str(body["weight_version"])
 
-    def _model_config(self) -> dict[str, Any]:
+    def model_config(self) -> dict[str, Any]:
+        """`/server_info`'s model config: the startup model path (kept after reloads) and
+        `enable_sleep_mode` (GPU/XPU only: vLLM 0.32 refuses it on CPU)."""
         body = self._call("GET", "/server_info", params={"config_format": "json"})
         try:
             config = body["vllm_config"]["model_config"]
@@ -74,11 +76,7 @@ class EngineClient:
 
     def startup_model(self) -> str:
         """The model path the engine was started with (`/server_info` keeps it after reloads)."""
-        return str(self._model_config()["model"])
-
-    def sleep_mode_enabled(self) -> bool:
-        """Started with `--enable-sleep-mode` (GPU/XPU only: vLLM 0.32 refuses it on CPU)."""
-        return bool(self._model_config().get("enable_sleep_mode"))
+        return str(self.model_config()["model"])
 
     def sleep(self, level: int, mode: str) -> None:
         """`mode` matters: /sleep aborts in-flight requests unless told to keep them."""

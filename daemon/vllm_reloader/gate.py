@@ -94,7 +94,7 @@ def _rejected(
     return Verdict("rejected", reason, manifest, fingerprint, details)
 
 
-def unsafe_path(relative: str) -> str | None:
+def _unsafe_path(relative: str) -> str | None:
     """Why a manifest path may not be used, or None. Symlinks are checked separately."""
     if relative.startswith("/"):
         return "is absolute"
@@ -107,22 +107,29 @@ def unsafe_path(relative: str) -> str | None:
     return None
 
 
-def _check_paths(directory: Path, manifest: Manifest) -> str | None:
-    root = os.path.realpath(directory)
+def listing_problem(manifest: Manifest) -> str | None:
+    """What is wrong with a manifest's paths on their own, before any file is looked at
+    (shared with the object-store source, which has no directory yet)."""
     seen: set[str] = set()
     for entry in manifest.files:
-        problem = unsafe_path(entry.path)
-        if problem is None and entry.path in seen:
-            problem = "is listed twice"
-        resolved = os.path.realpath(directory / entry.path)  # a loop resolves to itself; stat fails later
-        if problem is None and not resolved.startswith(root + os.sep):
-            problem = "resolves outside the checkpoint directory (symlink)"
+        problem = _unsafe_path(entry.path) or ("is listed twice" if entry.path in seen else None)
         if problem:
             return f"path {entry.path!r} {problem}"
         seen.add(entry.path)
-    weights = {e.path for e in manifest.files if is_weight(e.path)}
-    if not weights:
+    if not any(is_weight(e.path) for e in manifest.files):
         return "manifest lists no .safetensors file"
+    return None
+
+
+def _check_paths(directory: Path, manifest: Manifest) -> str | None:
+    if problem := listing_problem(manifest):
+        return problem
+    root = os.path.realpath(directory)
+    for entry in manifest.files:
+        resolved = os.path.realpath(directory / entry.path)  # a loop resolves to itself; stat fails later
+        if not resolved.startswith(root + os.sep):
+            return f"path {entry.path!r} resolves outside the checkpoint directory (symlink)"
+    weights = {e.path for e in manifest.files if is_weight(e.path)}
     for name in sorted(p.name for p in directory.glob("*" + WEIGHT_SUFFIX)):
         if name not in weights:
             return f"{name} is in the directory but not listed (the engine would load it)"

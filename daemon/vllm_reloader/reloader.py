@@ -119,8 +119,9 @@ class Reloader:
     def _reconcile(self) -> None:
         """Learn what the engine serves, so nothing is reloaded needlessly after a restart."""
         version = self.client.weight_version()
-        startup = self.startup = self.client.startup_model()
-        self.sleep_capable = self.config.engine.strategy == "auto" and self.client.sleep_mode_enabled()
+        model_config = self.client.model_config()  # one /server_info for both
+        startup = self.startup = str(model_config["model"])
+        self.sleep_capable = bool(model_config.get("enable_sleep_mode"))
         self._rescan()
         serving = reconcile.serving(
             version, startup, known=self.state.serving, root=self.root, candidates=self.candidates
@@ -157,6 +158,10 @@ class Reloader:
         self.set_serving(None)
         self._load(policy.Candidate(good.name, good.step, ""), good.version, good.path, 0)
 
+    def rejected_fingerprints(self) -> dict[str, str]:
+        """name → the fingerprint it was rejected with: retried only once that changes."""
+        return {name: r.fingerprint for name, r in self.state.rejected.items()}
+
     def serving_key(self) -> policy.OrderKey | None:
         """Where the serving checkpoint sits in the order; None: outside the root (all are newer)."""
         serving = self.state.serving
@@ -167,7 +172,7 @@ class Reloader:
             return
         serving = self.state.serving
         key = self.serving_key()
-        rejected = {name: r.fingerprint for name, r in self.state.rejected.items()}
+        rejected = self.rejected_fingerprints()
         options = gate.GateOptions.from_config(self.config)
         self.next_recheck = None
         if self.state.pinned is not None:
@@ -286,7 +291,7 @@ class Reloader:
         } | {self.state.pinned or "", self.in_flight.candidate.name if self.in_flight else ""}
         if self.startup and Path(self.startup).parent == self.root:
             protected.add(Path(self.startup).name)
-        rejected = {name: r.fingerprint for name, r in self.state.rejected.items()}
+        rejected = self.rejected_fingerprints()
         newer = policy.to_try(self.candidates, serving=self.serving_key(), rejected=rejected)
         protected |= {c.name for c in newer}  # downloaded to be loaded next: not yet
         doomed = policy.to_prune(self.candidates, protected=protected, keep=self.config.state.keep)

@@ -57,11 +57,8 @@ def judge(remote: Remote, objects: Mapping[str, Object]) -> Incomplete | None:
     if remote.manifest is None:
         return Incomplete("rejected", remote.problem, fp)
     manifest = remote.manifest
-    for entry in manifest.files:
-        if problem := gate.unsafe_path(entry.path):
-            return Incomplete("rejected", f"path {entry.path!r} {problem}", fp, "paths")
-    if not any(gate.is_weight(e.path) for e in manifest.files):
-        return Incomplete("rejected", "manifest lists no .safetensors file", fp, "paths")
+    if problem := gate.listing_problem(manifest):
+        return Incomplete("rejected", problem, fp, "paths")
     for entry in manifest.files:
         listed = objects.get(entry.path)
         if listed is None:
@@ -76,9 +73,9 @@ def judge(remote: Remote, objects: Mapping[str, Object]) -> Incomplete | None:
 
 
 def _read(signal: str, etag: str | None, data: bytes) -> Remote:
-    fp = fingerprint_of(data)
-    if signal != MANIFEST_NAME:
+    if signal != MANIFEST_NAME:  # its fingerprint depends on the listing too: set each poll
         return Remote(signal, etag, data, None)
+    fp = fingerprint_of(data)
     try:
         return Remote(signal, etag, data, parse_manifest(data), fingerprint=fp)
     except ManifestNotJSON as exc:  # a listed object is whole: it will not become JSON
@@ -236,7 +233,7 @@ class RemoteSource:
             return weights
         files = []
         for weight in weights:
-            if "/" in weight or weight.startswith(".") or not weight.endswith(completeness.WEIGHT_SUFFIX):
+            if not completeness.is_top_level_shard(weight):
                 return Incomplete(
                     "rejected", f"shard {weight!r} is not a top-level .safetensors file", fp, "paths"
                 )
