@@ -3,7 +3,8 @@
 A random Llama of about `--gb` GB (bf16 on disk), served by the CPU engine; a second one with
 the same layout is published and hot-reloaded. Baselines, same run: (a) the engine's own
 restart on the same checkpoint (stop, start, healthy), (b) the page-cache memcpy bound
-(bytes ÷ measured memcpy bandwidth of this machine).
+(bytes ÷ measured memcpy bandwidth of this machine), (c) on the same engine, vLLM's own
+`reload_weights` against the worker extension's path, alternating, `--rounds` each.
 
     .venv/bin/python bench/e2e.py [--hidden 2048 --layers 12]   # ~1 GB
 """
@@ -11,6 +12,7 @@ restart on the same checkpoint (stop, start, healthy), (b) the page-cache memcpy
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -37,6 +39,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
 
     from engine_fixtures import DaemonProcess, daemon_config, start_engine
@@ -68,6 +71,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             total_s = time.perf_counter() - begun
             started_event = daemon.wait_for("reload.started", version="step-2")
             ready = daemon.wait_for("checkpoint.ready", version="step-2")
+            daemon.stop()
+            paths = [str(root / "step-1"), str(root / "step-2")]
+            loaders = _compare_loaders(engine.http, paths, args.rounds)
         finally:
             daemon.stop()
             engine.stop()
@@ -80,7 +86,42 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "engine_restart_s": round(restart_s, 2), "ratio_vs_restart": round(total_s / restart_s, 3),
         "memcpy_gb_per_s": round(bandwidth, 2), "memcpy_bound_ms": round(nbytes / bandwidth / 1e6, 1),
         "reload_vs_memcpy_bound": round(reload_s / (nbytes / bandwidth / 1e9), 2),
+        "loader": started_event.get("loader"), **loaders,
     })  # fmt: skip
+
+
+def _compare_loaders(http, paths: list[str], rounds: int) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """Median seconds of vLLM's `reload_weights` and of the extension's, alternating which
+    goes first and which checkpoint each loads, so both see the same page cache."""
+    from vllm_reloader.engine import EXTENSION_METHOD
+
+    times: dict[str, list[float]] = {"builtin": [], "extension": []}
+    reports = []
+    for i in range(rounds * 2):
+        order = ["builtin", "extension"] if i % 2 == 0 else ["extension", "builtin"]
+        for j, loader in enumerate(order):
+            path = paths[(i + j) % 2]
+            body = (
+                {"method": "reload_weights", "kwargs": {"weights_path": path}}
+                if loader == "builtin"
+                else {"method": EXTENSION_METHOD, "kwargs": {"path": path}}
+            )
+            started = time.perf_counter()
+            response = http.post("/collective_rpc", json=body, timeout=600)
+            times[loader].append(time.perf_counter() - started)
+            response.raise_for_status()
+            if loader == "extension":
+                reports.append(response.json()["results"][0])
+    builtin, extension = statistics.median(times["builtin"]), statistics.median(times["extension"])
+    last = reports[-1]
+    return {
+        "builtin_reload_s": round(builtin, 3),
+        "extension_reload_s": round(extension, 3),
+        "extension_speedup": round(builtin / extension, 2),
+        "extension_wait_s": last["wait_s"],
+        "extension_buffers_allocated_after_first": sum(r["buffers_allocated"] for r in reports[1:]),
+        "extension_memory_growth_bytes": last["memory_after"] - last["memory_before"],
+    }
 
 
 if __name__ == "__main__":

@@ -1,84 +1,109 @@
-"""GPU data path, for when a GPU machine is lent: safetensors → reused pinned host buffers →
-`copy_` into tensors already on the device (what an in-place reload does), vs the measured
-pinned host-to-device bandwidth of the same machine.
+"""GPU data path, for when a GPU machine is lent: the worker extension's reader (threads →
+reused pinned host buffers) and vLLM's default one (safetensors mmap, tensor by tensor), each
+feeding `copy_` into tensors already on the device (what an in-place reload does), vs the
+measured pinned host-to-device bandwidth of the same machine.
 
-Needs only torch and safetensors (vLLM does not travel to the GPU machine). `--device cpu`
-runs the same code without a GPU (no pinning), to check the script itself.
+Needs only torch and safetensors (vLLM does not travel to the GPU machine), and the
+extension's module from this tree. `--device cpu` runs the same code without a GPU (no
+pinning), to check the script itself.
 
-    python bench/gpu_datapath.py [--gb 4] [--tensors 64] [--buffers 2] [--device cuda]
+    python bench/gpu_datapath.py [--gb 4] [--tensors 64] [--device cuda] [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=4.0)
     parser.add_argument("--tensors", type=int, default=64)
-    parser.add_argument("--buffers", type=int, default=2, help="pinned buffers in rotation")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--threads", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3, help="best of, alternating the two readers")
     args = parser.parse_args(argv)
 
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from vllm_reloader import worker
+
     device = torch.device(args.device)
-    on_gpu = device.type == "cuda"
+    on_gpu = device.type != "cpu"
     numel = int(args.gb * 1e9 / 2 / args.tensors)  # bf16
-    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+
+    def sync() -> None:
+        if on_gpu:
+            torch.accelerator.synchronize()
+
     with tempfile.TemporaryDirectory(prefix="vllm-reloader-gpu-") as scratch:
-        path = Path(scratch) / "model.safetensors"
-        save_file({f"t{i}": torch.randn(numel, dtype=torch.bfloat16) for i in range(args.tensors)}, str(path))
-        nbytes = path.stat().st_size
-        path.read_bytes()  # page cache warm, as after the gate's digests
-        params = [torch.empty(numel, dtype=torch.bfloat16, device=device) for _ in range(args.tensors)]
-        pinned = [torch.empty(numel, dtype=torch.bfloat16, pin_memory=on_gpu) for _ in range(args.buffers)]
+        directory = Path(scratch)
+        expected = {
+            f"model.layers.{i}.w": torch.randn(numel, dtype=torch.bfloat16) for i in range(args.tensors)
+        }
+        save_file(expected, str(directory / "model.safetensors"))
+        nbytes = (directory / "model.safetensors").stat().st_size
+        (directory / "model.safetensors").read_bytes()  # page cache warm, as after the gate's digests
+        params = {name: torch.empty(numel, dtype=torch.bfloat16, device=device) for name in expected}
+        modules = [f"model.layers.{i}" for i in range(args.tensors)]
+        reads = worker.runs(worker.layer_order(worker.plan(directory), modules))
+        pool = worker.BufferPool(pin=on_gpu)
 
-        sync()
-        started = time.perf_counter()
-        for i in range(args.tensors):  # baseline: pinned → device only
-            params[i].copy_(pinned[i % args.buffers], non_blocking=True)
-        sync()
-        h2d_s = time.perf_counter() - started
+        def timed(load) -> float:  # type: ignore[no-untyped-def]
+            sync()
+            started = time.perf_counter()
+            load()
+            sync()
+            return time.perf_counter() - started
 
-        events = [torch.cuda.Event() if on_gpu else None for _ in range(args.buffers)]
-        sync()
-        started = time.perf_counter()
-        with safe_open(str(path), framework="pt") as f:
-            for i in range(args.tensors):
-                slot = i % args.buffers
-                if events[slot] is not None:
-                    events[slot].synchronize()  # the copy that last used this buffer is done
-                pinned[slot].copy_(f.get_tensor(f"t{i}"))
-                params[i].copy_(pinned[slot], non_blocking=True)
-                if events[slot] is not None:
-                    events[slot].record()
-        sync()
-        path_s = time.perf_counter() - started
-        assert torch.equal(params[-1].cpu(), f_last(path, args.tensors - 1)), "copied bytes differ"
+        pinned = torch.empty(numel, dtype=torch.bfloat16, pin_memory=on_gpu)
+
+        def h2d() -> None:  # the bound: pinned → device only
+            for param in params.values():
+                param.copy_(pinned, non_blocking=True)
+
+        def builtin() -> None:  # vLLM's default iterator + default_weight_loader
+            with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118
+                    params[name].copy_(f.get_tensor(name))
+
+        def extension() -> None:
+            for name, tensor in worker.read_weights(reads, pool, args.threads, worker.LoadStats()):
+                params[name].copy_(tensor)
+
+        h2d_s = min(timed(h2d) for _ in range(args.rounds))
+        times: dict[str, list[float]] = {"builtin": [], "extension": []}
+        for i in range(args.rounds):
+            for name, load in [("builtin", builtin), ("extension", extension)][:: 1 if i % 2 == 0 else -1]:
+                times[name].append(timed(load))
+        assert all(torch.equal(params[n].cpu(), t) for n, t in expected.items()), "copied bytes differ"
+        if on_gpu:
+            torch.accelerator.reset_peak_memory_stats()
+        before = torch.accelerator.memory_allocated() if on_gpu else None
+        timed(extension)
+        peak = torch.accelerator.max_memory_allocated() if on_gpu else None
+    builtin_s, extension_s = min(times["builtin"]), min(times["extension"])
     result = {
         "benchmark": "gpu_datapath", "device": str(device),
-        "name": torch.cuda.get_device_name() if on_gpu else "cpu", "bytes": nbytes,
-        "h2d_gb_per_s": round(nbytes / h2d_s / 1e9, 2), "path_gb_per_s": round(nbytes / path_s / 1e9, 2),
-        "ratio": round(h2d_s / path_s, 3),
-        "peak_device_mb": round(torch.cuda.max_memory_allocated() / 1e6, 1) if on_gpu else None,
+        "name": torch.cuda.get_device_name() if device.type == "cuda" else device.type, "bytes": nbytes,
+        "h2d_gb_per_s": round(nbytes / h2d_s / 1e9, 2),
+        "builtin_gb_per_s": round(nbytes / builtin_s / 1e9, 2),
+        "extension_gb_per_s": round(nbytes / extension_s / 1e9, 2),
+        "ratio": round(h2d_s / extension_s, 3), "extension_speedup": round(builtin_s / extension_s, 3),
+        "device_growth_bytes": None if peak is None or before is None else peak - before,
+        "pinned_buffer_bytes": pool.nbytes,
     }  # fmt: skip
     print(json.dumps(result))
     return result
-
-
-def f_last(path: Path, index: int):  # type: ignore[no-untyped-def]
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return f.get_tensor(f"t{index}")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ QUICK = {
     "gate": ["--sizes-mb", "10", "--shards", "1,8"],
     "download": ["--mb", "8", "--files", "2", "--rounds", "2", "--part-mb", "1"],
     "footprint": ["--checkpoints", "20", "--seconds", "2"],
-    "e2e": ["--hidden", "64", "--layers", "2"],
+    "e2e": ["--hidden", "64", "--layers", "2", "--rounds", "1"],
 }
 FULL = {
     "detection": [],

@@ -81,14 +81,15 @@ class Engine:
         return texts
 
 
-def start_engine(model: Path, log_path: Path, port: int | None = None) -> Engine:
+def start_engine(model: Path, log_path: Path, port: int | None = None, *, extension: bool = True) -> Engine:
+    """A real CPU vLLM engine, by default with the reloader's worker extension."""
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
         pytest.fail(f"vLLM is not installed in this environment ({exc}); run the README's test command")
     port = port or free_port()
     env = {**os.environ, **ENGINE_ENV}
-    command = engine_command(model, port, ENGINE_DTYPE)
+    command = engine_command(model, port, ENGINE_DTYPE, extension=extension)
     log = log_path.open("wb")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     engine = Engine(f"http://127.0.0.1:{port}", model, process, log_path, log)

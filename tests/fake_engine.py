@@ -9,7 +9,7 @@ from collections.abc import Callable
 import httpx
 
 from vllm_reloader.config import EngineConfig
-from vllm_reloader.engine import EngineClient
+from vllm_reloader.engine import EXTENSION, EXTENSION_METHOD, EngineClient
 
 
 class FakeEngine:
@@ -20,6 +20,10 @@ class FakeEngine:
         self.loaded = startup
         self.paused = False
         self.sleep_mode = False
+        self.extension = False
+        """Started with the worker extension: `/server_info` names it, its method answers."""
+        self.methods: list[str] = []
+        """The collective_rpc methods called, in order."""
         self.asleep: set[str] = set()
         """What is asleep: "weights", "kv_cache"."""
         self.garbage: set[str] = set()
@@ -32,7 +36,8 @@ class FakeEngine:
         body = json.loads(request.content) if request.content else {}
         key = path
         if path == "/collective_rpc":
-            key = f"reload:{body['kwargs']['weights_path']}"
+            self.methods.append(body["method"])
+            key = f"reload:{next(iter(body['kwargs'].values()))}"
         self.calls.append(key if path == "/collective_rpc" else path)
         if key in self.fail:
             return self.fail[key]()
@@ -40,7 +45,9 @@ class FakeEngine:
             return httpx.Response(200, json={"weight_version": self.version})
         if path == "/server_info":
             model_config = {"model": self.startup, "enable_sleep_mode": self.sleep_mode}
-            return httpx.Response(200, json={"vllm_config": {"model_config": model_config}})
+            parallel_config = {"worker_extension_cls": EXTENSION if self.extension else ""}
+            config = {"model_config": model_config, "parallel_config": parallel_config}
+            return httpx.Response(200, json={"vllm_config": config})
         if path == "/sleep":
             self.asleep = {"weights", "kv_cache"}
             self.calls[-1] = f"/sleep?level={request.url.params['level']}&mode={request.url.params['mode']}"
@@ -61,6 +68,11 @@ class FakeEngine:
         if path == "/collective_rpc":
             if "weights" in self.asleep:
                 return httpx.Response(500, json={"error": {"message": "weights are asleep"}})
+            if body["method"] == EXTENSION_METHOD:
+                if not self.extension:  # what vLLM answers for a method no worker has
+                    return httpx.Response(500, json={"error": {"message": "no attribute"}})
+                self.loaded = body["kwargs"]["path"]
+                return httpx.Response(200, json={"results": [{"loader": "extension", "bytes": 42}]})
             self.loaded = body["kwargs"]["weights_path"]
             return httpx.Response(200, json={"results": [None]})
         if path == "/reset_prefix_cache":

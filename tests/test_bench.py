@@ -29,13 +29,15 @@ def test_bench_quick_run_writes_every_benchmark_with_its_ratio(tmp_path):
 
 @pytest.mark.engine
 def test_bench_e2e_on_a_real_engine_splits_publish_to_serving_into_phases():
-    command = [sys.executable, str(BENCH / "e2e.py"), "--hidden", "64", "--layers", "2"]
+    command = [sys.executable, str(BENCH / "e2e.py"), "--hidden", "64", "--layers", "2", "--rounds", "1"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["benchmark"] == "e2e" and report["bytes"] > 0
     assert all(report[k] is not None for k in ("detect_ms", "gate_ms", "pause_ms", "reload_ms", "resume_ms"))
     assert report["ratio_vs_restart"] > 0 and report["engine_restart_s"] > 0
+    assert report["loader"] == "extension" and report["extension_speedup"] > 0
+    assert report["extension_buffers_allocated_after_first"] == 0
 
 
 def test_bench_gpu_datapath_script_runs_on_cpu_until_a_gpu_is_lent():
@@ -53,3 +55,4 @@ def test_bench_gpu_datapath_script_runs_on_cpu_until_a_gpu_is_lent():
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["device"] == "cpu" and report["bytes"] > 0 and report["ratio"] > 0
+    assert report["extension_speedup"] > 0 and report["pinned_buffer_bytes"] > 0

@@ -289,3 +289,19 @@ def test_daemon_auto_strategy_sleeps_only_engines_with_sleep_mode(
         assert "/sleep?level=2&mode=keep" in sleeps and engine.asleep == set()
     else:
         assert not sleeps
+
+
+@pytest.mark.parametrize(("extension", "loader"), [(True, "extension"), (False, "builtin")])
+def test_daemon_loads_through_the_worker_extension_only_when_the_engine_has_it(
+    start, root, make_checkpoint, extension, loader
+):
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    engine.extension = extension
+    running = start(engine)
+    running.wait_for("engine.reconciled")
+    make_checkpoint("step-2", step=2, root=root)
+    assert running.wait_for("reload.started", version="step-2")["loader"] == loader
+    succeeded = running.wait_for("reload.succeeded", version="step-2")
+    assert engine.methods == ["reloader_load_checkpoint" if extension else "reload_weights"]
+    assert succeeded.get("load") == ({"loader": "extension", "bytes": 42} if extension else None)

@@ -96,6 +96,9 @@ def test_e2e_publish_hot_reloads_and_matches_a_fresh_engine(world: World, tmp_pa
     b = publish(world.staging / "seed-2", world.root, name=f"step-{next(_steps)}", step=99)
     done = world.daemon.wait_for("reload.succeeded", version=b.name)
     assert done["bytes"] and done["duration_ms"] and done["gb_per_s"] is not None
+    load = done["load"]  # the worker extension's report (the session engine has it)
+    assert isinstance(load, dict) and load["loader"] == "extension"
+    assert load["bytes"] == _tensor_bytes(world.root / b.name) and load["tensors"] > 0
     assert world.engine.weight_version() == b.name
     outputs_b = world.engine.complete()
     assert outputs_b != world.fresh_a, "B must answer differently from A, or this test proves nothing"
@@ -109,10 +112,23 @@ def test_e2e_publish_hot_reloads_and_matches_a_fresh_engine(world: World, tmp_pa
     shutil.copytree(world.staging / "seed-1", world.root / f".stage-{a_newest}")
     list_files(world.root / f".stage-{a_newest}", a_newest, step=1000 + next(_steps))
     (world.root / f".stage-{a_newest}").rename(world.root / a_newest)
-    world.daemon.wait_for("reload.succeeded", version=a_newest)
+    again = world.daemon.wait_for("reload.succeeded", version=a_newest)["load"]
+    assert isinstance(again, dict) and again["buffers_allocated"] == 0, "the host buffers are reused"
     assert world.engine.weight_version() == a_newest
-    assert world.engine.complete() == world.fresh_a
+    assert world.engine.complete() == world.fresh_a, "loaded by the extension, answers as a fresh engine"
     world.serving, world.expected = a_newest, world.fresh_a
+
+
+def _tensor_bytes(checkpoint: Path) -> int:
+    from vllm_reloader.layout import raw_header
+
+    return sum(
+        end - start
+        for shard in checkpoint.glob("*.safetensors")
+        for name, entry in raw_header(shard)[1].items()
+        if name != "__metadata__"
+        for start, end in [entry["data_offsets"]]
+    )
 
 
 def _next_step_above_serving(world: World) -> int:

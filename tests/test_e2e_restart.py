@@ -1,5 +1,6 @@
 """The engine killed in the middle of a reload and restarted: the daemon (killed too, at
-the same moment) comes back, waits for it, and converges. Its own engine: this one dies."""
+the same moment) comes back, waits for it, and converges. Its own engine: this one dies.
+It runs without the worker extension: the daemon falls back to vLLM's own reload."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def test_engine_killed_mid_reload_then_restarted_converges(tmp_path: Path):
     root = tmp_path / "root"
     publish(write_checkpoint(tmp_path / "a", seed=1), root, step=1)
     b = write_checkpoint(tmp_path / "b", seed=2)
-    engine = start_engine(root / "step-1", tmp_path / "engine-1.log")
+    engine = start_engine(root / "step-1", tmp_path / "engine-1.log", extension=False)
     port = int(engine.url.rsplit(":", 1)[1])
     config = daemon_config(tmp_path / "d.toml", root=root, engine_url=engine.url, state_dir=tmp_path / "s")
     restarted = None
@@ -36,11 +37,12 @@ def test_engine_killed_mid_reload_then_restarted_converges(tmp_path: Path):
         engine.stop()  # ...and the engine dies too
         # systemd brings the engine back, here on B's bytes, so its fresh answers are the reference.
         shutil.copytree(b, tmp_path / "b-fresh")
-        restarted = start_engine(tmp_path / "b-fresh", tmp_path / "engine-2.log", port=port)
+        restarted = start_engine(tmp_path / "b-fresh", tmp_path / "engine-2.log", port=port, extension=False)
         fresh_b = restarted.complete()
         second = DaemonProcess(config)
         try:
-            second.wait_for("reload.succeeded", version="step-2", timeout=120)
+            assert second.wait_for("reload.started", version="step-2", timeout=120)["loader"] == "builtin"
+            assert "load" not in second.wait_for("reload.succeeded", version="step-2", timeout=120)
             assert restarted.weight_version() == "step-2" and not restarted.is_paused()
             assert restarted.complete() == fresh_b
             deadline = time.monotonic() + 10

@@ -1,15 +1,24 @@
+from typing import Any
+
 import httpx
 import pytest
 
 from fake_engine import FakeEngine, error, unreachable
-from vllm_reloader.engine import RELOADING_PREFIX, ReloadFailed, Target, hot_swap
+from vllm_reloader.engine import (
+    EXTENSION_METHOD,
+    RELOADING_PREFIX,
+    ReloadFailed,
+    ServerConfig,
+    Target,
+    hot_swap,
+)
 from vllm_reloader.errors import EngineCallFailed, EngineUnavailable
 
 NEW = Target("step-2", "/root/step-2")
 OLD = Target("step-1", "/root/step-1")
 
 
-def swap(engine: FakeEngine, fallback: Target | None = OLD) -> tuple[dict[str, float], list[str]]:
+def swap(engine: FakeEngine, fallback: Target | None = OLD) -> tuple[dict[str, Any], list[str]]:
     failures: list[str] = []
     timings = hot_swap(
         engine.client(), NEW, fallback=fallback, on_resume_failed=lambda e: failures.append(str(e))
@@ -87,8 +96,32 @@ def test_engine_error_status_is_translated_with_message():
     assert failed.value.status == 400
 
 
-def test_engine_reads_startup_model_from_server_info():
-    assert FakeEngine(startup="/models/a").client().startup_model() == "/models/a"
+def test_engine_reads_startup_model_and_extension_from_server_info():
+    engine = FakeEngine(startup="/models/a")
+    assert engine.client().server_config() == ServerConfig("/models/a", sleep_mode=False, extension=False)
+    engine.extension = engine.sleep_mode = True
+    assert engine.client().server_config() == ServerConfig("/models/a", sleep_mode=True, extension=True)
+
+
+@pytest.mark.parametrize("extension", [False, True])
+def test_engine_swap_loads_through_the_extension_only_when_told(extension: bool):
+    engine = FakeEngine()
+    engine.extension = extension
+    timings = hot_swap(engine.client(), NEW, fallback=OLD, on_resume_failed=print, extension=extension)
+    assert engine.methods == ([EXTENSION_METHOD] if extension else ["reload_weights"])
+    assert engine.loaded == NEW.path
+    assert timings.get("load") == ({"loader": "extension", "bytes": 42} if extension else None)
+
+
+def test_engine_restores_through_the_extension_when_the_new_load_fails():
+    engine = FakeEngine()
+    engine.extension = True
+    engine.fail[f"reload:{NEW.path}"] = error(500, "shape mismatch")
+    with pytest.raises(ReloadFailed, match="restored") as failed:
+        hot_swap(engine.client(), NEW, fallback=OLD, on_resume_failed=print, extension=True)
+    assert failed.value.restored
+    assert engine.methods == [EXTENSION_METHOD, EXTENSION_METHOD]
+    assert engine.loaded == OLD.path and not engine.paused
 
 
 def test_engine_swap_in_abort_mode_counts_the_requests_it_drops():

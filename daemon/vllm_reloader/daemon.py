@@ -25,7 +25,7 @@ from .errors import ConfigError
 from .notify import Notifier
 from .reloader import Reloader
 from .remote import RemoteSource
-from .worker import Outcome
+from .swapper import Outcome
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from .engine import EXTENSION
 from .errors import ReloaderError
 from .publish import publish
 
@@ -38,13 +39,15 @@ class DemoError(ReloaderError):
     """The demo could not run; the message says what to install or fix."""
 
 
-def engine_command(model: Path, port: int, dtype: str = DTYPE) -> list[str]:
-    """A CPU vLLM server on loopback with the dev endpoints the daemon drives."""
+def engine_command(model: Path, port: int, dtype: str = DTYPE, *, extension: bool = True) -> list[str]:
+    """A CPU vLLM server on loopback with the dev endpoints the daemon drives, and (unless
+    told not to) the reloader's worker extension."""
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--served-model-name", "tiny",
         "--dtype", dtype, "--max-model-len", "256", "--enforce-eager",
         "--host", "127.0.0.1", "--port", str(port),
+        *(["--worker-extension-cls", EXTENSION] if extension else []),
     ]  # fmt: skip
 
 

@@ -25,6 +25,9 @@ from .config import EngineConfig
 from .errors import EngineCallFailed, EngineError, EngineUnavailable
 
 RELOADING_PREFIX = "reloading:"
+EXTENSION = "vllm_reloader.worker.ReloadExtension"
+"""The worker extension (`--worker-extension-cls`) whose faster reload the daemon uses when present."""
+EXTENSION_METHOD = "reloader_load_checkpoint"
 STARTUP_VERSION = "default"
 """What vLLM reports as weight version before anyone set one."""
 
@@ -63,20 +66,19 @@ class EngineClient:
             raise EngineCallFailed("/weight_info: no weight_version in answer", endpoint="/weight_info")
         return str(body["weight_version"])
 
-    def model_config(self) -> dict[str, Any]:
-        """`/server_info`'s model config: the startup model path (kept after reloads) and
-        `enable_sleep_mode` (GPU/XPU only: vLLM 0.32 refuses it on CPU)."""
+    def server_config(self) -> ServerConfig:
+        """What `/server_info` says of how the engine was started."""
         body = self._call("GET", "/server_info", params={"config_format": "json"})
         try:
-            config = body["vllm_config"]["model_config"]
-            str(config["model"])
+            config = body["vllm_config"]
+            model = str(config["model_config"]["model"])
         except (KeyError, TypeError) as exc:
             raise EngineCallFailed("/server_info: no model path in answer", endpoint="/server_info") from exc
-        return dict(config)
-
-    def startup_model(self) -> str:
-        """The model path the engine was started with (`/server_info` keeps it after reloads)."""
-        return str(self.model_config()["model"])
+        return ServerConfig(
+            model=model,
+            sleep_mode=bool(config["model_config"].get("enable_sleep_mode")),
+            extension=(config.get("parallel_config") or {}).get("worker_extension_cls") == EXTENSION,
+        )
 
     def sleep(self, level: int, mode: str) -> None:
         """`mode` matters: /sleep aborts in-flight requests unless told to keep them."""
@@ -111,13 +113,22 @@ class EngineClient:
     def resume(self) -> None:
         self._call("POST", "/resume")
 
-    def reload_weights(self, path: str) -> None:
-        self._call(
+    def reload_weights(self, path: str, *, extension: bool = False) -> dict[str, Any] | None:
+        """vLLM's own `reload_weights`, or the extension's faster one, which answers with
+        what the load took (bytes, seconds, device memory), from the first worker."""
+        method = EXTENSION_METHOD if extension else "reload_weights"
+        body = self._call(
             "POST",
             "/collective_rpc",
-            json={"method": "reload_weights", "kwargs": {"weights_path": path}},
+            json={"method": method, "kwargs": {"path" if extension else "weights_path": path}},
             timeout=self.config.reload_timeout,
         )
+        if not extension:
+            return None
+        results = body.get("results") if isinstance(body, dict) else None
+        if not results or not isinstance(results[0], dict):
+            return {}  # loaded, but said nothing about it
+        return {**results[0], **({"workers": len(results)} if len(results) > 1 else {})}
 
     def reset_prefix_cache(self) -> None:
         self._call("POST", "/reset_prefix_cache")
@@ -156,6 +167,16 @@ def _error_text(response: httpx.Response) -> str:
 
 
 @dataclass(frozen=True)
+class ServerConfig:
+    model: str
+    """The startup model path (vLLM keeps it there after reloads)."""
+    sleep_mode: bool
+    """`--enable-sleep-mode` (GPU/XPU only: vLLM 0.32 refuses it on CPU)."""
+    extension: bool
+    """Started with `--worker-extension-cls` naming `EXTENSION`."""
+
+
+@dataclass(frozen=True)
 class Target:
     version: str
     path: str
@@ -171,7 +192,7 @@ class ReloadFailed(EngineError):
 
 
 @contextmanager
-def _timed(timings: dict[str, float], phase: str) -> Iterator[None]:
+def _timed(timings: dict[str, Any], phase: str) -> Iterator[None]:
     start = time.perf_counter()
     try:
         yield
@@ -186,7 +207,8 @@ def hot_swap(
     fallback: Target | None,
     on_resume_failed: Callable[[EngineError], None],
     strategy: Literal["inplace", "sleep"] = "inplace",
-) -> dict[str, float]:
+    extension: bool = False,
+) -> dict[str, Any]:
     """pause → mark reloading → reload_weights → reset prefix cache → set version → resume.
 
     `sleep` (engines started with `--enable-sleep-mode`) wraps the reload: sleep level 2
@@ -194,11 +216,13 @@ def hot_swap(
     so CUDA graphs stay valid) → reload → wake the KV cache. The KV cache's memory is free
     for the loader's transient buffers, so no headroom beyond the weights is needed.
 
+    `extension`: load through the worker extension; its report is returned under `load`.
+
     Returns per-phase durations. Raises `ReloadFailed` (after restoring `fallback` when the
     engine is still answering) or `EngineUnavailable`. Whatever happens after the pause
     request was sent, the engine is woken (sleep) and resume attempted before returning.
     """
-    timings: dict[str, float] = {}
+    timings: dict[str, Any] = {}
     failpoints.hit("before_pause")
     if client.config.pause_mode == "abort":  # it drops what is in flight: say how much
         aborted = client.requests_in_flight()
@@ -217,9 +241,11 @@ def hot_swap(
                 client.wake_up(("weights",))
         with _timed(timings, "reload"):
             try:
-                client.reload_weights(target.path)
+                load = client.reload_weights(target.path, extension=extension)
             except EngineError as exc:
-                raise _restore(client, fallback, exc) from exc
+                raise _restore(client, fallback, exc, extension) from exc
+        if load is not None:
+            timings["load"] = load
         failpoints.hit("after_reload")
         if asleep:
             with _timed(timings, "wake"):
@@ -243,13 +269,15 @@ def _wake_all(client: EngineClient, on_failed: Callable[[EngineError], None]) ->
         on_failed(exc)
 
 
-def _restore(client: EngineClient, fallback: Target | None, cause: EngineError) -> ReloadFailed:
+def _restore(
+    client: EngineClient, fallback: Target | None, cause: EngineError, extension: bool
+) -> ReloadFailed:
     """The model may now hold a mix of old and new tensors: load the last good one back."""
     engine_up = not isinstance(cause, EngineUnavailable)
     if fallback is None:
         return ReloadFailed(f"{cause}; no checkpoint to restore", restored=False, engine_up=engine_up)
     try:
-        client.reload_weights(fallback.path)
+        client.reload_weights(fallback.path, extension=extension)
         client.reset_prefix_cache()
         client.set_weight_version(fallback.version)
     except EngineError as again:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from . import failpoints
 from .engine import ReloadFailed
 from .state import Loaded
-from .worker import Outcome
+from .swapper import Outcome
 
 if TYPE_CHECKING:
     from .reloader import Reloader

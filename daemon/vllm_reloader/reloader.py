@@ -21,7 +21,7 @@ from .errors import EngineCallFailed, EngineError, EngineUnavailable, StateError
 from .manifest import MANIFEST_NAME
 from .metrics import Metrics
 from .state import Loaded, Rejection, State
-from .worker import Job, Outcome, ReloadWorker
+from .swapper import Job, Outcome, ReloadWorker
 
 
 class Reloader:
@@ -35,6 +35,7 @@ class Reloader:
         self.baseline: layout.Layout | None = None
         self.startup: str | None = None
         self.sleep_capable = False
+        self.extension = False
         self.reconciled = False
         self.resume_owed = False
         self.backoff = config.engine.retry_initial
@@ -119,9 +120,9 @@ class Reloader:
     def _reconcile(self) -> None:
         """Learn what the engine serves, so nothing is reloaded needlessly after a restart."""
         version = self.client.weight_version()
-        model_config = self.client.model_config()  # one /server_info for both
-        startup = self.startup = str(model_config["model"])
-        self.sleep_capable = bool(model_config.get("enable_sleep_mode"))
+        server = self.client.server_config()
+        startup = self.startup = server.model
+        self.sleep_capable, self.extension = server.sleep_mode, server.extension
         self._rescan()
         serving = reconcile.serving(
             version, startup, known=self.state.serving, root=self.root, candidates=self.candidates
@@ -236,6 +237,7 @@ class Reloader:
             from_version=serving.version if serving else None,
             detect_ms=lag_ms,
             strategy=strategy,
+            loader="extension" if self.extension else "builtin",
         )
         self.in_flight = Job(
             client=self.client,
@@ -245,6 +247,7 @@ class Reloader:
             size=size,
             canary=self.config.canary,
             strategy=strategy,
+            extension=self.extension,
         )
         self.worker.submit(self.in_flight)
 
