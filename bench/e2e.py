@@ -4,7 +4,8 @@ A random Llama of about `--gb` GB (bf16 on disk), served by the CPU engine; a se
 the same layout is published and hot-reloaded. Baselines, same run: (a) the engine's own
 restart on the same checkpoint (stop, start, healthy), (b) the page-cache memcpy bound
 (bytes ÷ measured memcpy bandwidth of this machine), (c) on the same engine, vLLM's own
-`reload_weights` against the worker extension's path, alternating, `--rounds` each.
+`reload_weights` against the worker extension's two readers (mapped: CPU default; buffered:
+the accelerator one), rotating, `--rounds` each.
 
     .venv/bin/python bench/e2e.py [--hidden 2048 --layers 12]   # ~1 GB
 """
@@ -16,6 +17,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from _common import emit
 
@@ -91,36 +93,36 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
 
 def _compare_loaders(http, paths: list[str], rounds: int) -> dict[str, object]:  # type: ignore[no-untyped-def]
-    """Median seconds of vLLM's `reload_weights` and of the extension's, alternating which
-    goes first and which checkpoint each loads, so both see the same page cache."""
+    """Median seconds of vLLM's `reload_weights` and of the extension's two readers, rotating
+    which goes first and which checkpoint each loads, so all see the same page cache."""
     from vllm_reloader.engine import EXTENSION_METHOD
 
-    times: dict[str, list[float]] = {"builtin": [], "extension": []}
-    reports = []
-    for i in range(rounds * 2):
-        order = ["builtin", "extension"] if i % 2 == 0 else ["extension", "builtin"]
-        for j, loader in enumerate(order):
+    loaders = ["builtin", "mapped", "buffered"]
+    times: dict[str, list[float]] = {name: [] for name in loaders}
+    reports: dict[str, list[dict[str, Any]]] = {"mapped": [], "buffered": []}
+    for i in range(rounds * len(loaders)):
+        for j, loader in enumerate(loaders[i % 3 :] + loaders[: i % 3]):
             path = paths[(i + j) % 2]
             body = (
                 {"method": "reload_weights", "kwargs": {"weights_path": path}}
                 if loader == "builtin"
-                else {"method": EXTENSION_METHOD, "kwargs": {"path": path}}
+                else {"method": EXTENSION_METHOD, "kwargs": {"path": path, "reader": loader}}
             )
             started = time.perf_counter()
             response = http.post("/collective_rpc", json=body, timeout=600)
             times[loader].append(time.perf_counter() - started)
             response.raise_for_status()
-            if loader == "extension":
-                reports.append(response.json()["results"][0])
-    builtin, extension = statistics.median(times["builtin"]), statistics.median(times["extension"])
-    last = reports[-1]
+            if loader != "builtin":
+                reports[loader].append(response.json()["results"][0])
+    median = {name: statistics.median(values) for name, values in times.items()}
+    buffered = reports["buffered"]
     return {
-        "builtin_reload_s": round(builtin, 3),
-        "extension_reload_s": round(extension, 3),
-        "extension_speedup": round(builtin / extension, 2),
-        "extension_wait_s": last["wait_s"],
-        "extension_buffers_allocated_after_first": sum(r["buffers_allocated"] for r in reports[1:]),
-        "extension_memory_growth_bytes": last["memory_after"] - last["memory_before"],
+        **{f"{name}_reload_s": round(value, 3) for name, value in median.items()},
+        "mapped_speedup": round(median["builtin"] / median["mapped"], 3),
+        "buffered_speedup": round(median["builtin"] / median["buffered"], 3),
+        "buffered_wait_s": buffered[-1]["wait_s"],
+        "buffered_allocations_after_first": sum(int(r["buffers_allocated"]) for r in buffered[1:]),
+        "buffered_memory_growth_bytes": int(buffered[-1]["memory_after"]) - int(buffered[0]["memory_after"]),
     }
 
 

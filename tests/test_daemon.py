@@ -272,36 +272,27 @@ def test_daemon_with_canary_off_does_not_probe(start, root, make_checkpoint):
     assert "/v1/completions" not in engine.calls
 
 
-@pytest.mark.parametrize(("sleep_mode", "strategy"), [(True, "sleep"), (False, "inplace")])
-def test_daemon_auto_strategy_sleeps_only_engines_with_sleep_mode(
-    start, root, make_checkpoint, sleep_mode, strategy
+@pytest.mark.parametrize("sleep_mode", [True, False])
+@pytest.mark.parametrize("extension", [True, False])
+def test_daemon_picks_strategy_and_loader_from_what_the_engine_was_started_with(
+    start, root, make_checkpoint, sleep_mode, extension
 ):
+    """auto strategy sleeps only engines with sleep mode; the worker extension loads only
+    where the engine has it (`/server_info`), else plain `reload_weights`."""
     make_checkpoint("step-1", step=1, root=root)
     engine = FakeEngine(startup=str(root / "step-1"))
-    engine.sleep_mode = sleep_mode
+    engine.sleep_mode, engine.extension = sleep_mode, extension
     running = start(engine)
     running.wait_for("engine.reconciled")
     make_checkpoint("step-2", step=2, root=root)
-    assert running.wait_for("reload.started", version="step-2")["strategy"] == strategy
-    running.wait_for("reload.succeeded", version="step-2")
+    started = running.wait_for("reload.started", version="step-2")
+    assert started["strategy"] == ("sleep" if sleep_mode else "inplace")
+    assert started["loader"] == ("extension" if extension else "builtin")
+    succeeded = running.wait_for("reload.succeeded", version="step-2")
     sleeps = [c for c in engine.calls if c.startswith(("/sleep", "/wake_up"))]
     if sleep_mode:
         assert "/sleep?level=2&mode=keep" in sleeps and engine.asleep == set()
     else:
         assert not sleeps
-
-
-@pytest.mark.parametrize(("extension", "loader"), [(True, "extension"), (False, "builtin")])
-def test_daemon_loads_through_the_worker_extension_only_when_the_engine_has_it(
-    start, root, make_checkpoint, extension, loader
-):
-    make_checkpoint("step-1", step=1, root=root)
-    engine = FakeEngine(startup=str(root / "step-1"))
-    engine.extension = extension
-    running = start(engine)
-    running.wait_for("engine.reconciled")
-    make_checkpoint("step-2", step=2, root=root)
-    assert running.wait_for("reload.started", version="step-2")["loader"] == loader
-    succeeded = running.wait_for("reload.succeeded", version="step-2")
     assert engine.methods == ["reloader_load_checkpoint" if extension else "reload_weights"]
     assert succeeded.get("load") == ({"loader": "extension", "bytes": 42} if extension else None)

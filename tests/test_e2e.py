@@ -97,7 +97,7 @@ def test_e2e_publish_hot_reloads_and_matches_a_fresh_engine(world: World, tmp_pa
     done = world.daemon.wait_for("reload.succeeded", version=b.name)
     assert done["bytes"] and done["duration_ms"] and done["gb_per_s"] is not None
     load = done["load"]  # the worker extension's report (the session engine has it)
-    assert isinstance(load, dict) and load["loader"] == "extension"
+    assert isinstance(load, dict) and load["loader"] == "extension" and load["reader"] == "mapped"  # CPU
     assert load["bytes"] == _tensor_bytes(world.root / b.name) and load["tensors"] > 0
     assert world.engine.weight_version() == b.name
     outputs_b = world.engine.complete()
@@ -112,11 +112,31 @@ def test_e2e_publish_hot_reloads_and_matches_a_fresh_engine(world: World, tmp_pa
     shutil.copytree(world.staging / "seed-1", world.root / f".stage-{a_newest}")
     list_files(world.root / f".stage-{a_newest}", a_newest, step=1000 + next(_steps))
     (world.root / f".stage-{a_newest}").rename(world.root / a_newest)
-    again = world.daemon.wait_for("reload.succeeded", version=a_newest)["load"]
-    assert isinstance(again, dict) and again["buffers_allocated"] == 0, "the host buffers are reused"
+    world.daemon.wait_for("reload.succeeded", version=a_newest)
     assert world.engine.weight_version() == a_newest
     assert world.engine.complete() == world.fresh_a, "loaded by the extension, answers as a fresh engine"
     world.serving, world.expected = a_newest, world.fresh_a
+
+
+def test_e2e_extension_buffered_reader_loads_exactly_and_reuses_its_buffers(world: World):
+    """The reader used with an accelerator (threads, reused host buffers), on the real engine:
+    vLLM holds the tensors it is given until their layer is complete, so a buffer written
+    again too early would show in the answers."""
+    from vllm_reloader.engine import EXTENSION_METHOD
+
+    other = world.staging / ("seed-2" if world.expected == world.fresh_a else "seed-1")
+    reports = []
+    for path in (other, world.root / world.serving, world.root / world.serving):
+        body = {"method": EXTENSION_METHOD, "kwargs": {"path": str(path), "reader": "buffered"}}
+        response = world.engine.http.post("/collective_rpc", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        reports.append(response.json()["results"][0])
+        if path == other:
+            assert world.engine.complete() != world.expected, "the other weights are loaded"
+    assert world.engine.complete() == world.expected
+    assert [r["reader"] for r in reports] == ["buffered"] * 3 and reports[0]["threads"] >= 1
+    assert reports[0]["bytes"] == _tensor_bytes(world.root / world.serving)
+    assert reports[2]["buffers_allocated"] == 0, "a later reload reads into the same buffers"
 
 
 def _tensor_bytes(checkpoint: Path) -> int:

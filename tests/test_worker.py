@@ -80,9 +80,15 @@ def test_worker_orders_tensors_by_the_modules_that_consume_them():
     ]
 
 
-def test_worker_reads_every_tensor_bit_exact_across_shards_dtypes_and_runs(tmp_path: Path):
+@pytest.mark.parametrize("reader", ["buffered", "mapped"])
+def test_worker_reads_every_tensor_bit_exact_across_shards_dtypes_and_runs(tmp_path: Path, reader: str):
     tensors = _tensors()
-    loaded = _load(_sharded(tmp_path / "ckpt", tensors), BufferPool(pin=False, min_bytes=256))
+    directory = _sharded(tmp_path / "ckpt", tensors)
+    if reader == "buffered":
+        loaded = _load(directory, BufferPool(pin=False, min_bytes=256))
+    else:
+        reads = worker.layer_order(worker.plan(directory), MODULES)
+        loaded = {name: t.clone() for name, t in worker.mapped_weights(reads, LoadStats())}
     assert loaded.keys() == tensors.keys(), "exactly the tensors the index names (no stray shard)"
     for name, tensor in tensors.items():
         assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name

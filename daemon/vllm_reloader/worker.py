@@ -4,12 +4,13 @@
 `ReloadExtension` into every worker. The daemon sees it in `/server_info` and calls
 `reloader_load_checkpoint` through `/collective_rpc` instead of `reload_weights`.
 
-Why it is faster than vLLM's own iterator, which mmaps each shard and yields its tensors in
-file order (alphabetical: `layers.10` before `layers.2`), one page fault at a time: here
-several threads `pread` the tensors, in the order the model's modules consume them, into a
-few reused host buffers (pinned where there is an accelerator, so the copy to the device is
-a straight DMA) while the model loads the ones before. Layer order also matters to vLLM's
-layerwise reload, which holds a layer's tensors on the device until the layer is complete.
+vLLM's own iterator mmaps each shard and yields its tensors in file order (alphabetical:
+`layers.10` before `layers.2`), pageable memory, one page fault at a time. With an
+accelerator, here several threads `pread` the tensors, in the order the model's modules
+consume them, into a few reused pinned host buffers (the copy to the device is then a straight
+DMA) while the model loads the ones before. Layer order also matters to vLLM's layerwise
+reload, which holds a layer's tensors on the device until the layer is complete. On CPU there
+is nothing to DMA: the tensors are zero-copy views of the page cache, in layer order.
 
 A buffer is refilled only when no tensor but the pool's own refers to its storage: the
 layerwise loader keeps the tensors it was given until their layer is complete, so reusing
@@ -26,6 +27,7 @@ import re
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -239,6 +241,24 @@ def read_weights(
                 del tensor  # the buffer is free once the model is done with it
 
 
+def mapped_weights(reads: Iterable[TensorRead], stats: LoadStats) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) in `reads` order, each a zero-copy view of the page cache (safetensors'
+    mmap): vLLM's own way of reading, in layer order."""
+    from safetensors import safe_open
+
+    with ExitStack() as files:
+        opened: dict[Path, Any] = {}
+        for read in reads:
+            if read.file not in opened:
+                opened[read.file] = files.enter_context(safe_open(str(read.file), framework="pt"))
+            started = time.perf_counter()
+            tensor = opened[read.file].get_tensor(read.name)
+            stats.read_s += time.perf_counter() - started
+            stats.bytes += tensor.nbytes
+            stats.tensors += 1
+            yield read.name, tensor
+
+
 class DeviceMemory:
     """Device memory in use before / after / at peak of a reload; on CPU, the process RSS
     (no peak: it is the same memory the model lives in)."""
@@ -280,8 +300,12 @@ class ReloadExtension:
     device: torch.device
     reload_weights: Any
 
-    def reloader_load_checkpoint(self, path: str) -> dict[str, Any]:
-        """Reload the weights from the checkpoint at `path`, in place; what it took."""
+    def reloader_load_checkpoint(self, path: str, reader: str = "") -> dict[str, Any]:
+        """Reload the weights from the checkpoint at `path`, in place; what it took.
+
+        `reader`: `buffered` (threads, reused host buffers: the default with an accelerator,
+        whose copies from pinned memory are DMA) or `mapped` (zero-copy tensors over the page
+        cache: the default on CPU, where a copy into buffers is only extra work)."""
         directory = Path(path)
         model = self.model_runner.get_model()
         memory = DeviceMemory(self.device)
@@ -295,12 +319,20 @@ class ReloadExtension:
         if any(read.dtype not in DTYPES for read in reads) or getattr(model, "secondary_weights", None):
             self.reload_weights(weights_path=path)  # not ours to read: vLLM's own path
             return {"loader": "builtin", "seconds": time.perf_counter() - started}
+        reader = reader or ("buffered" if pool.pin else "mapped")
         threads = int(os.environ.get("VLLM_RELOADER_LOAD_THREADS", min(8, os.cpu_count() or 1)))
-        self.reload_weights(weights_iterator=read_weights(runs(reads), pool, threads, stats))
+        if reader == "buffered":
+            weights = read_weights(runs(reads), pool, threads, stats)
+        elif reader == "mapped":
+            weights, threads = mapped_weights(reads, stats), 0
+        else:
+            raise ValueError(f"reader {reader!r}: not buffered or mapped")
+        self.reload_weights(weights_iterator=weights)
         model_config = self.vllm_config.model_config  # as vLLM's own reload from a path does
         model_config.model, model_config.model_weights, model_config.revision = path, "", None
         return {
             "loader": "extension",
+            "reader": reader,
             "seconds": round(time.perf_counter() - started, 4),
             "bytes": stats.bytes,
             "tensors": stats.tensors,
