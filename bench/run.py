@@ -34,7 +34,7 @@ QUICK = {
 }
 FULL = {
     "detection": [],
-    "gate": ["--sizes-mb", "10,100,1000", "--shards", "1,8,64"],
+    "gate": ["--sizes-mb", "10,100,1000,2000", "--shards", "1,8,64"],
     "download": [],
     "footprint": [],
     "e2e": [],
