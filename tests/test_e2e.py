@@ -139,6 +139,25 @@ def test_e2e_extension_buffered_reader_loads_exactly_and_reuses_its_buffers(worl
     assert reports[2]["buffers_allocated"] == 0, "a later reload reads into the same buffers"
 
 
+def test_e2e_extension_refuses_a_short_shard_before_touching_the_model(world: World, tmp_path: Path):
+    """Past the gate (a direct call): the extension checks every file against its header
+    before vLLM moves the layers to the meta device, so the engine keeps serving."""
+    from vllm_reloader.engine import EXTENSION_METHOD
+
+    short = tmp_path / "short"
+    shutil.copytree(world.root / world.serving, short)
+    shard = next(short.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-64])
+    body = {"method": EXTENSION_METHOD, "kwargs": {"path": str(short)}}
+    try:
+        failed = world.engine.http.post("/collective_rpc", json=body, timeout=120).status_code >= 500
+    except httpx.TransportError:  # vLLM's route lets the worker's error escape: a reset connection
+        failed = True
+    assert failed
+    assert "ends inside tensor" in world.engine.log_path.read_text(errors="replace")
+    assert world.engine.healthy() and world.engine.complete() == world.expected
+
+
 def _tensor_bytes(checkpoint: Path) -> int:
     from vllm_reloader.layout import raw_header
 

@@ -150,3 +150,23 @@ def test_daemon_modules_never_import_torch():
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
         == "[]\n"
     )
+
+
+def test_worker_plan_refuses_a_short_shard_before_the_model_is_touched(tmp_path: Path):
+    directory = _sharded(tmp_path / "ckpt", _tensors())
+    shard = directory / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-8])
+    with pytest.raises(
+        ValueError, match=r"model-00002-of-00002.safetensors: ends inside tensor .*nothing was loaded"
+    ):
+        worker.plan(directory)
+
+
+def test_worker_plan_refuses_a_tensor_whose_bytes_do_not_fit_its_shape(tmp_path: Path):
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    save_file({"a.weight": torch.ones(4, 4)}, directory / "model.safetensors")
+    raw = (directory / "model.safetensors").read_bytes()
+    (directory / "model.safetensors").write_bytes(raw.replace(b'"shape":[4,4]', b'"shape":[4,2]'))
+    with pytest.raises(ValueError, match=r"tensor a.weight has 64 bytes for its shape \[4, 2\]"):
+        worker.plan(directory)

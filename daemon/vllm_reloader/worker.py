@@ -22,6 +22,7 @@ Imported only inside the engine (it needs torch); the daemon never imports it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import time
@@ -69,17 +70,35 @@ def weight_files(directory: Path) -> list[Path]:
 
 
 def plan(directory: Path) -> list[TensorRead]:
-    """Every tensor of the checkpoint, in file order, from the safetensors headers."""
+    """Every tensor of the checkpoint, in file order, from the safetensors headers.
+
+    Checked here, before the model is touched, that every file holds the bytes its header
+    promises and every tensor's bytes fit its shape: vLLM's reload moves each layer to the
+    meta device first, so a reader failing halfway leaves a model nothing can serve from.
+    Raises `ValueError` naming the file and tensor."""
     reads = []
     for path in weight_files(directory):
         length, header = raw_header(path)
+        size = path.stat().st_size
         for name, entry in header.items():
             if name == "__metadata__":
                 continue
             start, end = (int(n) for n in entry["data_offsets"])
-            shape = tuple(int(n) for n in entry["shape"])
-            reads.append(TensorRead(name, path, 8 + length + start, end - start, entry["dtype"], shape))
+            read = TensorRead(
+                name, path, 8 + length + start, end - start, entry["dtype"], tuple(entry["shape"])
+            )
+            if read.offset + read.nbytes > size:
+                raise ValueError(f"{path.name}: ends inside tensor {name} ({size} bytes): nothing was loaded")
+            if read.dtype in DTYPES and read.nbytes != math.prod(read.shape) * _itemsize(read.dtype):
+                raise ValueError(
+                    f"{path.name}: tensor {name} has {read.nbytes} bytes for its shape {list(read.shape)}"
+                )
+            reads.append(read)
     return reads
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=DTYPES[dtype]).element_size()
 
 
 def _natural(name: str) -> tuple[Any, ...]:
