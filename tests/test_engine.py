@@ -4,9 +4,11 @@ import httpx
 import pytest
 
 from fake_engine import FakeEngine, error, unreachable
+from vllm_reloader.config import EngineConfig
 from vllm_reloader.engine import (
     EXTENSION_METHOD,
     RELOADING_PREFIX,
+    EngineClient,
     ReloadFailed,
     ServerConfig,
     Target,
@@ -158,3 +160,17 @@ def test_engine_sleep_strategy_wakes_everything_when_the_reload_fails():
         hot_swap(engine.client(), NEW, fallback=OLD, on_resume_failed=print, strategy="sleep")
     assert engine.calls[-2:] == ["/wake_up?tags=weights,kv_cache", "/resume"]
     assert engine.asleep == set() and not engine.paused
+
+
+def test_engine_reload_uses_a_connection_of_its_own():
+    """vLLM closes the connection after a failed collective_rpc: the restore must not reuse it."""
+    seen: list[str | None] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("connection"))
+        return httpx.Response(200, json={"results": [None]})
+
+    client = EngineClient(EngineConfig(url="http://engine.test"), transport=httpx.MockTransport(handle))
+    client.reload_weights("/root/step-2")
+    client.reload_weights("/root/step-2", extension=True)
+    assert seen == ["close", "close"]

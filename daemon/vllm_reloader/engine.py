@@ -122,6 +122,9 @@ class EngineClient:
             "/collective_rpc",
             json={"method": method, "kwargs": {"path" if extension else "weights_path": path}},
             timeout=self.config.reload_timeout,
+            # vLLM's route drops the connection after a worker error; a pooled one would make
+            # the restore that follows fail on a dead socket. One connection per reload.
+            headers={"Connection": "close"},
         )
         if not extension:
             return None
