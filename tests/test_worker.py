@@ -9,12 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch  # the test environment has it (the engine extra): never skipped
+from safetensors.torch import save_file
 
-torch = pytest.importorskip("torch", reason="the worker extension runs inside the engine, with torch")
-from safetensors.torch import save_file  # noqa: E402
-
-from vllm_reloader import worker  # noqa: E402
-from vllm_reloader.worker import BufferPool, LoadStats, TensorRead  # noqa: E402
+from vllm_reloader import worker
+from vllm_reloader.completeness import INDEX_NAME
+from vllm_reloader.worker import BufferPool, LoadStats, TensorRead
 
 MODULES = (
     ["", "model", "model.embed_tokens"] + [f"model.layers.{i}" for i in range(12)] + ["model.norm", "lm_head"]
@@ -44,7 +44,7 @@ def _sharded(directory: Path, tensors: dict[str, torch.Tensor]) -> Path:
     for shard, keys in shards.items():
         save_file({k: tensors[k] for k in keys}, directory / shard)
     weight_map = {k: shard for shard, keys in shards.items() for k in keys}
-    (directory / worker.INDEX_NAME).write_text(json.dumps({"weight_map": weight_map}))
+    (directory / INDEX_NAME).write_text(json.dumps({"weight_map": weight_map}))
     save_file({"stray.weight": torch.ones(2)}, directory / "consolidated.safetensors")
     return directory
 

@@ -21,7 +21,6 @@ Imported only inside the engine (it needs torch); the daemon never imports it.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -35,9 +34,9 @@ from typing import Any
 
 import torch
 
+from .completeness import INDEX_NAME, WEIGHT_SUFFIX, weights_from_index
 from .layout import raw_header
 
-INDEX_NAME = "model.safetensors.index.json"
 CHUNK_BYTES = 32 << 20
 """Tensors are read in runs of about this many bytes, one run per buffer."""
 ALIGN = 64
@@ -63,10 +62,12 @@ class TensorRead:
 def weight_files(directory: Path) -> list[Path]:
     """The files vLLM's loader reads: those the index names, else every top-level shard."""
     index = directory / INDEX_NAME
-    if index.exists():
-        names = set(json.loads(index.read_bytes())["weight_map"].values())
-        return sorted(directory / name for name in names)
-    return sorted(directory.glob("*.safetensors"))
+    if not index.exists():
+        return sorted(directory.glob("*" + WEIGHT_SUFFIX))
+    names = weights_from_index(index.read_bytes())
+    if isinstance(names, str):
+        raise ValueError(names)
+    return [directory / name for name in names]
 
 
 def plan(directory: Path) -> list[TensorRead]:
@@ -89,16 +90,12 @@ def plan(directory: Path) -> list[TensorRead]:
             )
             if read.offset + read.nbytes > size:
                 raise ValueError(f"{path.name}: ends inside tensor {name} ({size} bytes): nothing was loaded")
-            if read.dtype in DTYPES and read.nbytes != math.prod(read.shape) * _itemsize(read.dtype):
+            if read.dtype in DTYPES and read.nbytes != math.prod(read.shape) * DTYPES[read.dtype].itemsize:
                 raise ValueError(
                     f"{path.name}: tensor {name} has {read.nbytes} bytes for its shape {list(read.shape)}"
                 )
             reads.append(read)
     return reads
-
-
-def _itemsize(dtype: str) -> int:
-    return torch.empty((), dtype=DTYPES[dtype]).element_size()
 
 
 def _natural(name: str) -> tuple[Any, ...]:
