@@ -101,6 +101,8 @@ def size_from_header(name: str, read: Callable[[int, int], bytes], available: in
         ends = [int(entry["data_offsets"][1]) for key, entry in header.items() if key != "__metadata__"]
     except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
         raise LayoutUnreadable(f"{name}: unreadable safetensors header") from exc
+    if any(end < 0 for end in ends):
+        raise LayoutUnreadable(f"{name}: negative data offset in safetensors header")
     return int(8 + length + max(ends, default=0))
 
 
