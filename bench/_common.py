@@ -8,7 +8,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests package: its fakes
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -31,8 +31,7 @@ def write_checkpoint(
     """Random float32 shards adding up to about `total_bytes`, with our manifest (blake3)."""
     import numpy as np
     from safetensors.numpy import save_file
-
-    from conftest import write_manifest
+    from tests.support.checkpoints import write_manifest
 
     rng = np.random.default_rng(seed)
     directory.mkdir(parents=True, exist_ok=True)

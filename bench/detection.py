@@ -27,8 +27,9 @@ def _baseline(base: Path, runs: int, polling: bool, interval: float) -> list[flo
     from watchdog.observers import Observer
     from watchdog.observers.polling import PollingObserver
 
-    import vllm_reloader.source  # noqa: F401  (the same watchdog settings as the daemon's)
+    from vllm_reloader.sources.local import disable_move_pairing_delay
 
+    disable_move_pairing_delay()  # the same watchdog settings as the daemon's
     root = base / "baseline"
     root.mkdir()
     seen: queue.SimpleQueue[tuple[str, float]] = queue.SimpleQueue()
@@ -64,10 +65,10 @@ def _baseline(base: Path, runs: int, polling: bool, interval: float) -> list[flo
 
 def _daemon(base: Path, runs: int, polling: bool, interval: float) -> list[float]:
     import structlog
+    from tests.support.fake_engine import FakeEngine
 
-    from fake_engine import FakeEngine
     from vllm_reloader import config
-    from vllm_reloader.daemon import Daemon
+    from vllm_reloader.service.daemon import Daemon
 
     root = base / "root"
     write_checkpoint(root / "step-0", shards=1, total_bytes=4096)
@@ -90,7 +91,7 @@ def _daemon(base: Path, runs: int, polling: bool, interval: float) -> list[float
     thread.start()
     latencies = []
     try:
-        while not daemon.reloader.reconciled:
+        while not daemon.reloader.served.reconciled:
             time.sleep(0.01)
         for i in range(1, runs + 1):
             staged = root / f".stage-{i}"

@@ -36,9 +36,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     from boto3.s3.transfer import TransferConfig
     from moto.server import ThreadedMotoServer
 
-    from vllm_reloader.download import Plan, fetch
-    from vllm_reloader.manifest import Manifest, ManifestFile, dumps
-    from vllm_reloader.objstore import Store
+    from vllm_reloader.checkpoint.manifest import Manifest, ManifestFile, dumps
+    from vllm_reloader.sources.download import Plan, fetch
+    from vllm_reloader.sources.objstore import Store
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()

@@ -44,9 +44,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
 
-    from engine_fixtures import DaemonProcess, daemon_config, start_engine
-    from vllm_reloader.publish import publish
-    from vllm_reloader.tinymodel import write_checkpoint
+    from tests.support.engine_fixtures import DaemonProcess, daemon_config, start_engine
+
+    from vllm_reloader.tools.publish import publish
+    from vllm_reloader.tools.tinymodel import write_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="vllm-reloader-bench-") as scratch:
         base = Path(scratch)
@@ -102,7 +103,7 @@ def _detect_ms(started: dict[str, Any], ready: dict[str, Any]) -> float | None:
 def _compare_loaders(http, paths: list[str], rounds: int) -> dict[str, object]:  # type: ignore[no-untyped-def]
     """Median seconds of vLLM's `reload_weights` and of the extension's two readers, rotating
     which goes first and which checkpoint each loads, so all see the same page cache."""
-    from vllm_reloader.engine import EXTENSION_METHOD
+    from vllm_reloader.engine.client import EXTENSION_METHOD
 
     loaders = ["builtin", "mapped", "buffered"]
     times: dict[str, list[float]] = {name: [] for name in loaders}

@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--seconds", type=float, default=60.0)
     args = parser.parse_args(argv)
 
-    from engine_fixtures import DaemonProcess
-    from fake_engine import FakeEngine, FakeEngineServer
+    from tests.support.engine_fixtures import DaemonProcess
+    from tests.support.fake_engine import FakeEngine, FakeEngineServer
 
     with tempfile.TemporaryDirectory(prefix="vllm-reloader-bench-") as scratch:
         base = Path(scratch)
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             f'[state]\ndir = "{base / "state"}"\n[log]\nformat = "json"\n'
         )
         baseline = subprocess.Popen(
-            [sys.executable, "-c", "import vllm_reloader.daemon, time; time.sleep(3600)"]
+            [sys.executable, "-c", "import vllm_reloader.service.daemon, time; time.sleep(3600)"]
         )
         daemon = DaemonProcess(config)
         try:

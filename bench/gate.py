@@ -22,7 +22,7 @@ from typing import Any
 import blake3
 from _common import emit, write_checkpoint
 
-from vllm_reloader import gate
+from vllm_reloader.checkpoint import gate
 
 
 def _timed(work: Callable[[], object]) -> float:

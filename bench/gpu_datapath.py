@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from vllm_reloader import worker
+    from vllm_reloader.extension import readers as worker
 
     device = torch.device(args.device)
     on_gpu = device.type != "cpu"

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import detection
 import download
-import e2e
 import footprint
 import gate
+
+import e2e
 
 QUICK = {
     "detection": ["--runs", "5"],

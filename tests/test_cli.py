@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from conftest import write_weights
+from tests.support.checkpoints import write_weights
 from vllm_reloader.cli import main
 
 
@@ -71,7 +71,7 @@ def test_cli_publish_into_s3_prints_the_url_and_refuses_a_second_time(tmp_path, 
 
 
 def test_cli_verify_knows_the_foreign_conventions(tmp_path):
-    from conftest import hf_index
+    from tests.support.checkpoints import hf_index
 
     shards = write_weights(tmp_path / "hf", shards=2)
     assert cli("verify", str(tmp_path / "hf"), "--completeness", "hf-index").returncode == 1

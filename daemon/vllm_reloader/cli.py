@@ -13,9 +13,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import config as config_mod
-from . import gate, layout, log, status
-from .completeness import Convention, Mode
-from .errors import ConfigError, ReloaderError
+from . import log
+from .checkpoint import gate, layout
+from .checkpoint.completeness import Convention, Mode
+from .errors import ConfigError, LayoutUnreadable, ReloaderError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -73,7 +74,7 @@ def _fail(code: int, message: str) -> int:
 
 
 def _run(config_path: Path, priority_prefix: bool) -> int:
-    from .daemon import Daemon  # imports watchdog and httpx only when running
+    from .service.daemon import Daemon  # imports watchdog and httpx only when running
 
     cfg = config_mod.load(config_path)
     if priority_prefix:
@@ -88,7 +89,7 @@ def _publish(args: argparse.Namespace) -> int:
     from .config import REMOTE_SCHEMES
 
     if args.into.startswith(REMOTE_SCHEMES):
-        from .publish import publish_remote
+        from .tools.publish import publish_remote
 
         if args.move:
             return _fail(2, "--move works only into a local root")
@@ -98,7 +99,7 @@ def _publish(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    from .publish import publish
+    from .tools.publish import publish
 
     print(publish(args.src, Path(args.into), name=args.name, step=args.step, move=args.move))
     return 0
@@ -109,7 +110,7 @@ def _verify(directory: Path, against: Path | None, mode: Mode) -> int:
     if against is not None:
         try:
             serving = layout.read_served_layout(against)
-        except (OSError, layout.LayoutUnreadable) as exc:
+        except (OSError, LayoutUnreadable) as exc:
             return _fail(2, f"--against {against}: {exc}")
     verdict = gate.check(
         directory,
@@ -125,14 +126,11 @@ def _verify(directory: Path, against: Path | None, mode: Mode) -> int:
 
 
 def _control(args: argparse.Namespace) -> int:
-    from . import control
+    from .service import control, status
 
     cfg = config_mod.load(args.config)
     fields = {"version": args.version} if args.command == "pin" else {}
-    try:
-        answer = control.call(cfg.control_socket, args.command, **fields)
-    except control.ControlError as exc:
-        return _fail(1, str(exc))
+    answer = control.call(cfg.control_socket, args.command, **fields)
     if not answer.get("ok"):
         return _fail(1, str(answer.get("error", "failed")))
     if args.command == "status":
@@ -152,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in ("status", "pin", "unpin", "reload"):
             return _control(args)
         if args.command == "demo":
-            from . import demo
+            from .tools import demo
 
             return demo.run(args.engine_url, keep=args.keep)
         return _verify(args.dir, args.against, args.completeness)

@@ -1,30 +1,58 @@
 """The one error tree of vllm-reloader.
 
-Third-party exceptions (httpx, OSError from the filesystem, pydantic) are translated where
-they enter, so the rest of the daemon only ever catches these::
+Third-party exceptions (httpx, obstore, OSError from the filesystem, pydantic, json) are
+translated where they enter, so the rest of the code only ever catches these::
 
     ReloaderError
     ├── ConfigError            bad or unreadable config file (the CLI exits 2, one line)
+    ├── CheckpointError        a checkpoint's own bytes say what it is not (becomes a verdict)
+    │   ├── NotJSONYet         a manifest or HF index is not whole JSON: may still be written
+    │   ├── ManifestInvalid    whole JSON that breaks the manifest schema: final until it changes
+    │   └── LayoutUnreadable   a safetensors header or config.json cannot be read as such
     ├── PublishError           `publish` cannot place a checkpoint (nothing half-written stays)
     ├── StateError             the state file cannot be read or written
+    ├── ControlError           the control socket cannot be reached or answered badly
+    ├── DemoError              the demo cannot run (what to install or fix)
     ├── DownloadError          the local side of a download: no space, cannot write the cache
+    │   └── Cancelled          the daemon is stopping; the journal keeps what was done
     ├── SourceError            the object store: unreachable, denied, no such bucket (retried)
     │   └── ObjectChanged      an object's ETag changed under a download (start again)
     └── EngineError            anything between us and the vLLM engine
         ├── EngineUnavailable  no answer: refused, reset, timed out (retry with backoff)
-        └── EngineCallFailed   the engine answered, with an error status or a bad body
+        ├── EngineCallFailed   the engine answered, with an error status or a bad body
+        └── ReloadFailed       `reload_weights` failed; says whether the fallback was restored
 
 A gate verdict is *not* an exception: `ready` / `pending` / `rejected` are data
-(see `gate.Verdict`), because a bad checkpoint is an expected input, not a failure.
+(see `checkpoint.gate.Verdict`), because a bad checkpoint is an expected input, not a
+failure; `CheckpointError`s never leave the gate.
+
+This module imports nothing, so the worker extension (which runs inside vLLM with only
+torch and safetensors) can raise the same errors as the daemon.
 """
 
 
 class ReloaderError(Exception):
-    """Base of every error the daemon raises on purpose."""
+    """Base of every error vllm-reloader raises on purpose."""
 
 
 class ConfigError(ReloaderError):
     """The config file is missing, unparsable or invalid; the message names the key."""
+
+
+class CheckpointError(ReloaderError):
+    """Something in a checkpoint's own files; the gate turns it into a verdict."""
+
+
+class NotJSONYet(CheckpointError):
+    """The bytes are not JSON (yet): the producer may still be writing them."""
+
+
+class ManifestInvalid(CheckpointError):
+    """The JSON is whole but breaks the schema: final until the manifest changes."""
+
+
+class LayoutUnreadable(CheckpointError):
+    """A safetensors header or config.json could not be read as such."""
 
 
 class PublishError(ReloaderError):
@@ -35,8 +63,20 @@ class StateError(ReloaderError):
     """The state file could not be read or written."""
 
 
+class ControlError(ReloaderError):
+    """The control socket could not be reached or answered badly."""
+
+
+class DemoError(ReloaderError):
+    """The demo could not run; the message says what to install or fix."""
+
+
 class DownloadError(ReloaderError):
     """A download cannot be placed in the cache (short of space, disk errors)."""
+
+
+class Cancelled(DownloadError):
+    """The daemon is stopping; the download journal keeps what was done."""
 
 
 class SourceError(ReloaderError):
@@ -65,3 +105,13 @@ class EngineCallFailed(EngineError):
     def __init__(self, message: str, *, endpoint: str, status: int | None = None) -> None:
         super().__init__(message, endpoint=endpoint)
         self.status = status
+
+
+class ReloadFailed(EngineError):
+    """`reload_weights` failed; `restored` tells whether the fallback was loaded back,
+    `engine_up` whether the engine still answers."""
+
+    def __init__(self, message: str, *, restored: bool, engine_up: bool) -> None:
+        super().__init__(message, endpoint="/collective_rpc")
+        self.restored = restored
+        self.engine_up = engine_up

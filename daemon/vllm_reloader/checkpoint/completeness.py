@@ -1,0 +1,316 @@
+"""When is a checkpoint whole? Our manifest says so, or the trainer's own convention.
+
+`describe` turns a checkpoint into the list of files the gate must check — our manifest,
+or one worked out from what the trainer writes last — or says why it cannot yet. It reads
+a `Listing`: names, sizes and times of the files, and their bytes on demand. A local
+directory (`DirectoryListing`) and an object-store listing (`sources.remote`) both provide
+one, so a checkpoint is judged the same wherever it sits.
+
+- `manifest`: `manifest.json`, written last by `vllm-reloader publish` (or anyone).
+- `hf-index`: HF `save_pretrained` writes its shards, then `model.safetensors.index.json`
+  (not atomically: a half-written index is pending). Every shard in its `weight_map` must
+  have a header that covers the file. A single `model.safetensors` without an index has no
+  last-written file, so it must also have been quiet for `settle_seconds`.
+- `marker`: a named file (Orbax's `commit_success.txt`, `_SUCCESS`, `COMPLETE`) marks the
+  checkpoint complete; every top-level `.safetensors` must have a header covering its file.
+
+Synthesised lists carry each shard's size *as its header declares it*, so the size check
+turns a short shard into `pending` and an over-long one into `rejected`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Literal, Protocol
+
+from ..errors import LayoutUnreadable, ManifestInvalid, NotJSONYet
+from . import order
+from .files import (
+    INDEX_NAME,
+    SINGLE_NAME,
+    WEIGHT_SUFFIX,
+    is_top_level_shard,
+    size_from_header,
+    weights_from_index,
+)
+from .manifest import MANIFEST_NAME, Manifest, ManifestFile
+from .manifest import parse as parse_manifest
+
+Mode = Literal["manifest", "hf-index", "marker"]
+MAX_LISTING_BYTES = 16 << 20
+"""A completing file (manifest, index, marker) is read up to this size."""
+# Besides the weights, the small files a serving directory needs (config, tokenizer, chat
+# template). A trainer's optimizer state and RNG files are neither checked nor downloaded.
+METADATA_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
+UNFINISHED_SUFFIX = "-unfinished"
+"""NeMo writes `<name>-unfinished` next to a checkpoint it has not finished: `<name>` waits."""
+
+
+@dataclass(frozen=True)
+class Convention:
+    mode: Mode = "manifest"
+    markers: tuple[str, ...] = ("commit_success.txt", "_SUCCESS", "COMPLETE")
+    settle_seconds: float = 30.0
+    manifest_grace: float = 10.0
+    """How long an unparsable manifest or index may be mid-write before it is rejected."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    size: int
+    mtime: float
+    regular: bool = True
+
+
+class Listing(Protocol):
+    """What `describe` needs of a checkpoint, wherever it is."""
+
+    def top(self) -> Mapping[str, Entry]:
+        """Files directly in the checkpoint (not directories), by name."""
+
+    def entry(self, path: str) -> Entry | None:
+        """Any file by its relative path; None when it is not there."""
+
+    def whole(self, name: str) -> bytes:
+        """A small top-level file's bytes (manifest, index, marker), at most MAX_LISTING_BYTES."""
+
+    def shard_size(self, name: str) -> int | None:
+        """The size a shard has when whole, from its header; None while the header is not
+        all there. Raises `LayoutUnreadable`."""
+
+    def last_change(self) -> float:
+        """When anything in the checkpoint last changed (for a writer with no last file)."""
+
+
+@dataclass(frozen=True)
+class Listed:
+    manifest: Manifest
+    """The files the engine reads (all of them, for our own manifest)."""
+    fingerprint: str
+    extras: tuple[ManifestFile, ...] = ()
+    """A foreign writer's small metadata files (config, tokenizer): not checked by the
+    gate, but downloaded with the weights."""
+
+
+@dataclass(frozen=True)
+class Incomplete:
+    status: Literal["pending", "rejected"]
+    reason: str
+    fingerprint: str = ""
+    check: str = "manifest"
+    """For `rejected`: which gate check failed (the metric's label)."""
+
+
+def fingerprint_of(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def wanted(name: str, convention: Convention) -> bool:
+    """Is this top-level file part of a foreign writer's checkpoint, as far as serving goes?"""
+    return name.endswith((WEIGHT_SUFFIX, *METADATA_SUFFIXES)) or name in convention.markers
+
+
+def signal_name(names: Collection[str], convention: Convention) -> str | None:
+    """The file whose arrival says a checkpoint is (or may be) complete, if it is there."""
+    if convention.mode == "manifest":
+        order_: tuple[str, ...] = (MANIFEST_NAME,)
+    elif convention.mode == "hf-index":
+        order_ = (INDEX_NAME, SINGLE_NAME)
+    else:
+        order_ = convention.markers
+    return next((name for name in order_ if name in names), None)
+
+
+def _wanted_files(listing: Listing, convention: Convention) -> dict[str, Entry]:
+    return {n: e for n, e in listing.top().items() if e.regular and wanted(n, convention)}
+
+
+def fingerprint(listing: Listing, convention: Convention) -> str:
+    """What a rejection is remembered by: it is retried only once this changes. Ours: the
+    manifest's bytes. A foreign writer's: every wanted file's name and size, and the bytes
+    of its index or marker — alike for a directory and a bucket, so a rejection made after
+    a download is recognised before downloading again."""
+    if convention.mode == "manifest":
+        return fingerprint_of(listing.whole(MANIFEST_NAME)) if MANIFEST_NAME in listing.top() else ""
+    files = _wanted_files(listing, convention)
+    parts = [f"{name}\0{entry.size}" for name, entry in sorted(files.items())]
+    signal = signal_name(files, convention)
+    if signal is not None and signal != SINGLE_NAME:
+        parts.append(listing.whole(signal).hex())
+    return fingerprint_of("\n".join(parts).encode())
+
+
+def candidate(name: str, listing: Listing, convention: Convention) -> order.Candidate:
+    """Name, step and fingerprint: enough to order candidates without gating them.
+    Foreign writers' checkpoints have no step of ours: they order by name."""
+    try:
+        fp = fingerprint(listing, convention)
+    except OSError:
+        return order.Candidate(name, None, "")
+    step = None
+    if fp and convention.mode == "manifest":
+        try:
+            step = parse_manifest(listing.whole(MANIFEST_NAME)).step
+        except (OSError, NotJSONYet, ManifestInvalid):
+            step = None
+    return order.Candidate(name, step, fp)
+
+
+def describe(listing: Listing, convention: Convention, now: float) -> Listed | Incomplete:
+    if convention.mode == "manifest":
+        return _from_manifest(listing, convention, now)
+    fp = fingerprint(listing, convention)
+    if convention.mode == "hf-index":
+        weights = _hf_weights(listing, convention, now, fp)
+    elif any(name in listing.top() for name in convention.markers):
+        weights = marked_weights(listing.top(), fp)
+    else:
+        weights = Incomplete("pending", f"no completion marker ({', '.join(convention.markers)}) yet", fp)
+    if isinstance(weights, Incomplete):
+        return weights
+    return _from_headers(listing, convention, weights, fp)
+
+
+def _from_manifest(listing: Listing, convention: Convention, now: float) -> Listed | Incomplete:
+    found = listing.top().get(MANIFEST_NAME)
+    if found is None:
+        return Incomplete("pending", "no manifest.json yet")
+    data = listing.whole(MANIFEST_NAME)
+    fp = fingerprint_of(data)
+    try:
+        return Listed(parse_manifest(data), fp)
+    except NotJSONYet as exc:
+        if now - found.mtime < convention.manifest_grace:
+            return Incomplete("pending", f"{exc} (may still be written)", fp)
+        return Incomplete("rejected", str(exc), fp)
+    except ManifestInvalid as exc:
+        return Incomplete("rejected", f"manifest: {exc}", fp)
+
+
+def _hf_weights(listing: Listing, convention: Convention, now: float, fp: str) -> list[str] | Incomplete:
+    top = listing.top()
+    index = top.get(INDEX_NAME)
+    if index is None:
+        if SINGLE_NAME not in top:
+            return Incomplete("pending", f"no {INDEX_NAME} or {SINGLE_NAME} yet", fp)
+        quiet_for = now - listing.last_change()
+        if quiet_for < convention.settle_seconds:
+            return Incomplete(
+                "pending",
+                f"changed {quiet_for:.1f} s ago; a single {SINGLE_NAME} needs "
+                f"{convention.settle_seconds:g} s of quiet to settle",
+                fp,
+            )
+        return [SINGLE_NAME]
+    try:
+        weights = weights_from_index(listing.whole(INDEX_NAME))
+    except NotJSONYet:
+        if now - index.mtime < convention.manifest_grace:
+            return Incomplete("pending", f"{INDEX_NAME} is not whole JSON yet (may still be written)", fp)
+        return Incomplete("rejected", f"{INDEX_NAME} is not valid JSON", fp)
+    return Incomplete("rejected", weights, fp) if isinstance(weights, str) else weights
+
+
+def marked_weights(names: Collection[str], fp: str) -> list[str] | Incomplete:
+    weights = sorted(name for name in names if "/" not in name and name.endswith(WEIGHT_SUFFIX))
+    if not weights:
+        return Incomplete("rejected", "marked complete but holds no .safetensors file", fp)
+    return weights
+
+
+def _from_headers(
+    listing: Listing, convention: Convention, weights: list[str], fp: str
+) -> Listed | Incomplete:
+    """Each shard's whole size, as its own header declares it."""
+    files = []
+    top = listing.top()
+    for name in weights:
+        if not is_top_level_shard(name):
+            return Incomplete("rejected", f"shard {name!r} is not a top-level .safetensors file", fp, "paths")
+        if name not in top:
+            return Incomplete("pending", f"{name} does not exist yet", fp)
+        try:
+            size = listing.shard_size(name)
+        except LayoutUnreadable as exc:
+            return Incomplete("rejected", str(exc), fp, "headers")
+        if size is None:
+            return Incomplete("pending", f"{name}: header not fully written yet", fp)
+        files.append(ManifestFile(path=name, size=size))
+    signal = signal_name(top, convention)
+    extras = tuple(
+        ManifestFile(path=name, size=entry.size)
+        for name, entry in sorted(_wanted_files(listing, convention).items())
+        if name not in weights and name != signal
+    )
+    return Listed(Manifest(format_version=1, files=tuple(files)), fp, extras)
+
+
+def check_files(listing: Listing, manifest: Manifest) -> Incomplete | None:
+    """Every listed file is there at exactly its size: missing or short → pending (a writer
+    may still be at it), longer or not a regular file → rejected."""
+    for item in manifest.files:
+        found = listing.entry(item.path)
+        if found is None:
+            return Incomplete("pending", f"{item.path} does not exist yet")
+        if not found.regular:
+            return Incomplete("rejected", f"{item.path} is not a regular file", check="sizes")
+        if found.size < item.size:
+            return Incomplete("pending", f"{item.path} has {found.size} of {item.size} bytes")
+        if found.size > item.size:
+            return Incomplete(
+                "rejected", f"{item.path} has {found.size} bytes, manifest says {item.size}", check="sizes"
+            )
+    return None
+
+
+class DirectoryListing:
+    """A checkpoint directory on a local (or mounted) filesystem, listed once."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    @cached_property
+    def _top(self) -> dict[str, Entry]:
+        found = {}
+        with os.scandir(self.directory) as entries:
+            for item in entries:
+                info = item.stat(follow_symlinks=False)
+                if not stat.S_ISDIR(info.st_mode):
+                    found[item.name] = Entry(info.st_size, info.st_mtime, stat.S_ISREG(info.st_mode))
+        return found
+
+    def top(self) -> Mapping[str, Entry]:
+        return self._top
+
+    def entry(self, path: str) -> Entry | None:
+        try:
+            info = (self.directory / path).stat()
+        except FileNotFoundError:
+            return None
+        return Entry(info.st_size, info.st_mtime, stat.S_ISREG(info.st_mode))
+
+    def whole(self, name: str) -> bytes:
+        path = self.directory / name
+        if not stat.S_ISREG(path.lstat().st_mode):
+            raise IsADirectoryError(f"{name} is not a regular file")
+        with path.open("rb") as f:
+            return f.read(MAX_LISTING_BYTES)
+
+    def shard_size(self, name: str) -> int | None:
+        with (self.directory / name).open("rb") as f:
+            fd = f.fileno()
+            return size_from_header(
+                name, lambda start, end: os.pread(fd, end - start, start), os.fstat(fd).st_size
+            )
+
+    def last_change(self) -> float:
+        times = [self.directory.stat().st_mtime]
+        with os.scandir(self.directory) as entries:
+            times += [item.stat(follow_symlinks=False).st_mtime for item in entries]
+        return max(times)

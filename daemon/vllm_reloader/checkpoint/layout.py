@@ -1,0 +1,100 @@
+"""What a checkpoint looks like to the engine: tensor names, shapes, dtypes, architecture.
+
+vLLM's in-place reload copies each tensor into an existing parameter, so a checkpoint is
+loadable only if this layout equals the one being served. It is read from safetensors
+headers and `config.json` alone, never from tensor data, so it costs microseconds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import LayoutUnreadable
+from .files import WEIGHT_SUFFIX, tensors_of
+
+# The fields of config.json that fix the model's structure. Others (rope scaling, token
+# ids, dtype) either show up in the tensor shapes or are not reloaded by the engine at all.
+ARCH_FIELDS = (
+    "architectures",
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+)
+
+TensorSpec = tuple[str, tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Layout:
+    tensors: Mapping[str, TensorSpec]
+    arch: Mapping[str, object]
+
+
+def read_header(path: Path) -> dict[str, TensorSpec]:
+    """Tensor name → (dtype, shape) of one safetensors file, from its header alone."""
+    return {t.name: (t.dtype, t.shape) for t in tensors_of(path)}
+
+
+def read_arch(directory: Path) -> dict[str, object]:
+    path = directory / "config.json"
+    if not path.exists():
+        return {}
+    try:
+        config = json.loads(path.read_bytes())
+    except ValueError as exc:
+        raise LayoutUnreadable("config.json is not valid JSON") from exc
+    if not isinstance(config, dict):
+        raise LayoutUnreadable("config.json is not a JSON object")
+    return {key: config[key] for key in ARCH_FIELDS if key in config}
+
+
+def read_layout(directory: Path, weight_files: Iterable[Path]) -> Layout:
+    tensors: dict[str, TensorSpec] = {}
+    for path in weight_files:
+        tensors.update(read_header(path))
+    return Layout(tensors=tensors, arch=read_arch(directory))
+
+
+def read_served_layout(directory: Path) -> Layout:
+    """Layout of a checkpoint the engine loaded, manifest or not (e.g. its startup model).
+
+    Reads the same files vLLM's loader reads: every top-level `*.safetensors`.
+    """
+    files = sorted(directory.glob("*" + WEIGHT_SUFFIX))
+    if not files:
+        raise LayoutUnreadable(f"{directory}: no .safetensors files")
+    return read_layout(directory, files)
+
+
+def _spec(spec: TensorSpec) -> str:
+    dtype, shape = spec
+    return f"{dtype}{list(shape)}"
+
+
+def first_difference(candidate: Layout, serving: Layout) -> tuple[str, str | None] | None:
+    """None when loadable; else (reason, tensor name or None) naming the first difference."""
+    for key in ARCH_FIELDS:
+        if candidate.arch and serving.arch and candidate.arch.get(key) != serving.arch.get(key):
+            return (
+                f"config.json {key} is {candidate.arch.get(key)!r}, serving has {serving.arch.get(key)!r}",
+                None,
+            )
+    for name in sorted(candidate.tensors.keys() | serving.tensors.keys()):
+        ours, theirs = candidate.tensors.get(name), serving.tensors.get(name)
+        if ours == theirs:
+            continue
+        if ours is None:
+            return f"tensor {name} is missing (serving has {_spec(theirs)})", name  # type: ignore[arg-type]
+        if theirs is None:
+            return f"tensor {name} is not in the serving model", name
+        return f"tensor {name} is {_spec(ours)}, serving has {_spec(theirs)}", name
+    return None

@@ -1,0 +1,170 @@
+"""Talking to one vLLM engine over its dev-mode HTTP API (`VLLM_SERVER_DEV_MODE=1`).
+
+`EngineClient` is the thin edge: one method per endpoint, httpx errors translated into
+`EngineUnavailable` / `EngineCallFailed` where they enter. The reload sequence that uses
+it is `swap.hot_swap`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from ..config import EngineConfig
+from ..errors import EngineCallFailed, EngineUnavailable
+
+RELOADING_PREFIX = "reloading:"
+EXTENSION = "vllm_reloader.extension.ReloadExtension"
+"""The worker extension (`--worker-extension-cls`) whose faster reload the daemon uses when present."""
+EXTENSION_METHOD = "reloader_load_checkpoint"
+STARTUP_VERSION = "default"
+"""What vLLM reports as weight version before anyone set one."""
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, *, transport: httpx.BaseTransport | None = None) -> None:
+        self.config = config
+        self._http = httpx.Client(base_url=config.url, timeout=config.timeout, transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _call(self, method: str, path: str, *, timeout: float | None = None, **kwargs: Any) -> Any:
+        try:
+            response = self._http.request(method, path, timeout=timeout or self.config.timeout, **kwargs)
+        except httpx.TimeoutException as exc:
+            raise EngineUnavailable(f"{path}: timed out", endpoint=path) from exc
+        except httpx.TransportError as exc:
+            raise EngineUnavailable(f"{path}: {exc or type(exc).__name__}", endpoint=path) from exc
+        if response.status_code >= 400:
+            raise EngineCallFailed(
+                f"{path}: HTTP {response.status_code}: {_error_text(response)}",
+                endpoint=path,
+                status=response.status_code,
+            )
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise EngineCallFailed(f"{path}: answer is not JSON", endpoint=path) from exc
+
+    def weight_version(self) -> str:
+        body = self._call("GET", "/weight_info")
+        if not isinstance(body, dict) or not isinstance(body.get("weight_version"), str):
+            raise EngineCallFailed("/weight_info: no weight_version in answer", endpoint="/weight_info")
+        return str(body["weight_version"])
+
+    def server_config(self) -> ServerConfig:
+        """What `/server_info` says of how the engine was started."""
+        body = self._call("GET", "/server_info", params={"config_format": "json"})
+        try:
+            config = body["vllm_config"]
+            model = str(config["model_config"]["model"])
+        except (KeyError, TypeError) as exc:
+            raise EngineCallFailed("/server_info: no model path in answer", endpoint="/server_info") from exc
+        return ServerConfig(
+            model=model,
+            sleep_mode=bool(config["model_config"].get("enable_sleep_mode")),
+            extension=(config.get("parallel_config") or {}).get("worker_extension_cls") == EXTENSION,
+        )
+
+    def sleep(self, level: int, mode: str) -> None:
+        """`mode` matters: /sleep aborts in-flight requests unless told to keep them."""
+        self._call("POST", "/sleep", params={"level": level, "mode": mode}, timeout=self.config.pause_timeout)
+
+    def wake_up(self, tags: tuple[str, ...] = ()) -> None:
+        self._call("POST", "/wake_up", params=[("tags", t) for t in tags], timeout=self.config.reload_timeout)
+
+    def requests_in_flight(self) -> int | None:
+        """Running + waiting requests, from the engine's Prometheus `/metrics`; None if unknown."""
+        try:
+            response = self._http.get("/metrics", timeout=self.config.timeout)
+        except httpx.HTTPError:
+            return None
+        total, found = 0.0, False
+        for line in response.text.splitlines():
+            if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
+                try:
+                    total += float(line.rsplit(" ", 1)[1])
+                    found = True
+                except (IndexError, ValueError):
+                    continue
+        return int(total) if found and response.status_code == 200 else None
+
+    def is_paused(self) -> bool:
+        body = self._call("GET", "/is_paused")
+        return bool(body.get("is_paused")) if isinstance(body, dict) else False
+
+    def pause(self, mode: str) -> None:
+        self._call("POST", "/pause", params={"mode": mode}, timeout=self.config.pause_timeout)
+
+    def resume(self) -> None:
+        self._call("POST", "/resume")
+
+    def reload_weights(self, path: str, *, extension: bool = False) -> dict[str, Any] | None:
+        """vLLM's own `reload_weights`, or the extension's faster one, which answers with
+        what the load took (bytes, seconds, device memory), from the first worker."""
+        method = EXTENSION_METHOD if extension else "reload_weights"
+        body = self._call(
+            "POST",
+            "/collective_rpc",
+            json={"method": method, "kwargs": {"path" if extension else "weights_path": path}},
+            timeout=self.config.reload_timeout,
+            # vLLM's route drops the connection after a worker error; a pooled one would make
+            # the restore that follows fail on a dead socket. One connection per reload.
+            headers={"Connection": "close"},
+        )
+        if not extension:
+            return None
+        results = body.get("results") if isinstance(body, dict) else None
+        if not results or not isinstance(results[0], dict):
+            return {}  # loaded, but said nothing about it
+        return {**results[0], **({"workers": len(results)} if len(results) > 1 else {})}
+
+    def reset_prefix_cache(self) -> None:
+        self._call("POST", "/reset_prefix_cache")
+
+    def set_weight_version(self, version: str) -> None:
+        self._call("POST", "/update_weight_version", json={"new_version": version})
+
+    def token_logprobs(self, prompt: str, *, max_tokens: int, timeout: float) -> list[float | None]:
+        """A greedy completion of `prompt`; the logprob of each generated token."""
+        body = self._call(
+            "POST",
+            "/v1/completions",
+            json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1},
+            timeout=timeout,
+        )
+        try:
+            values = body["choices"][0]["logprobs"]["token_logprobs"]
+            return [None if v is None else float(v) for v in values]
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise EngineCallFailed(
+                "/v1/completions: no token_logprobs in answer", endpoint="/v1/completions"
+            ) from exc
+
+
+def _error_text(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:200]
+    if isinstance(body, dict):
+        error = body.get("error", body.get("detail", body))
+        if isinstance(error, dict):
+            error = error.get("message", error)
+        return str(error)[:300]
+    return str(body)[:300]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str
+    """The startup model path (vLLM keeps it there after reloads)."""
+    sleep_mode: bool
+    """`--enable-sleep-mode` (GPU/XPU only: vLLM 0.32 refuses it on CPU)."""
+    extension: bool
+    """Started with `--worker-extension-cls` naming `EXTENSION`."""

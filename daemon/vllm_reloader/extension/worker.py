@@ -1,0 +1,115 @@
+"""The engine side: a vLLM worker extension with a faster, measured reload path.
+
+`vllm serve … --worker-extension-cls vllm_reloader.extension.ReloadExtension` mixes
+`ReloadExtension` into every worker. The daemon sees it in `/server_info` and calls
+`reloader_load_checkpoint` through `/collective_rpc` instead of `reload_weights`.
+
+Imported only inside the engine (it needs torch); the daemon never imports it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .readers import DTYPES, BufferPool, LoadStats, layer_order, mapped_weights, plan, read_weights, runs
+
+
+class DeviceMemory:
+    """Device memory in use before / after / at peak of a reload; on CPU, the process RSS
+    (no peak: it is the same memory the model lives in)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def used(self) -> int:
+        if self.device.type == "xla":
+            return int(self._xla()["bytes_used"])
+        if self.device.type == "cpu":
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return int(torch.accelerator.memory_allocated(self.device.index))
+
+    def reset_peak(self) -> None:
+        if self.device.type not in ("cpu", "xla"):
+            torch.accelerator.reset_peak_memory_stats(self.device.index)
+
+    def peak(self) -> int | None:
+        if self.device.type == "xla":
+            return int(self._xla().get("peak_bytes_used", 0)) or None
+        if self.device.type == "cpu":
+            return None
+        return int(torch.accelerator.max_memory_allocated(self.device.index))
+
+    def _xla(self) -> dict[str, Any]:
+        import torch_xla.core.xla_model as xm  # TPU only
+
+        return dict(xm.get_memory_info(self.device))
+
+
+class ReloadExtension:
+    """Mixed into vLLM's worker class: `self` is the worker (`model_runner`, `vllm_config`,
+    `device`, and `reload_weights`, which sets the current vLLM config around the load)."""
+
+    model_runner: Any
+    vllm_config: Any
+    device: torch.device
+    reload_weights: Any
+
+    def reloader_load_checkpoint(self, path: str, reader: str = "") -> dict[str, Any]:
+        """Reload the weights from the checkpoint at `path`, in place; what it took.
+
+        `reader`: `buffered` (threads, reused host buffers: the default with an accelerator,
+        whose copies from pinned memory are DMA) or `mapped` (zero-copy tensors over the page
+        cache: the default on CPU, where a copy into buffers is only extra work)."""
+        directory = Path(path)
+        model = self.model_runner.get_model()
+        memory = DeviceMemory(self.device)
+        pool = _pool(self)
+        pool.reset_counts()
+        stats = LoadStats()
+        before = memory.used()
+        memory.reset_peak()
+        started = time.perf_counter()
+        reads = layer_order(plan(directory), [name for name, _ in model.named_modules()])
+        if any(read.dtype not in DTYPES for read in reads) or getattr(model, "secondary_weights", None):
+            self.reload_weights(weights_path=path)  # not ours to read: vLLM's own path
+            return {"loader": "builtin", "seconds": time.perf_counter() - started}
+        reader = reader or ("buffered" if pool.pin else "mapped")
+        threads = int(os.environ.get("VLLM_RELOADER_LOAD_THREADS", min(8, os.cpu_count() or 1)))
+        if reader == "buffered":
+            weights = read_weights(runs(reads), pool, threads, stats)
+        elif reader == "mapped":
+            weights, threads = mapped_weights(reads, stats), 0
+        else:
+            raise ValueError(f"reader {reader!r}: not buffered or mapped")
+        self.reload_weights(weights_iterator=weights)
+        model_config = self.vllm_config.model_config  # as vLLM's own reload from a path does
+        model_config.model, model_config.model_weights, model_config.revision = path, "", None
+        return {
+            "loader": "extension",
+            "reader": reader,
+            "seconds": round(time.perf_counter() - started, 4),
+            "bytes": stats.bytes,
+            "tensors": stats.tensors,
+            "read_s": round(stats.read_s, 4),
+            "wait_s": round(stats.wait_s, 4),
+            "threads": threads,
+            "buffers_allocated": pool.allocated,
+            "buffer_bytes": pool.nbytes,
+            "device": str(self.device),
+            "memory_before": before,
+            "memory_after": memory.used(),
+            "memory_peak": memory.peak(),
+        }
+
+
+def _pool(worker: Any) -> BufferPool:
+    pool = getattr(worker, "_reloader_pool", None)
+    if pool is None:
+        pool = worker._reloader_pool = BufferPool(pin=torch.accelerator.is_available())
+    return pool

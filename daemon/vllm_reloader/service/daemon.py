@@ -1,0 +1,278 @@
+"""The process: one loop that acts, and everything else only enqueues.
+
+Watchdog callbacks, signal handlers, the object-store thread, the control server and the
+reload thread put a typed message (`messages`) on `inbox` (gunicorn's arbiter does the
+same with its signal queue); the loop drains it, dispatches each message with `match`,
+lets the reloader act, and keeps systemd informed:
+READY once the engine answered, STATUS as things change, WATCHDOG only while the watcher
+and the reload worker are alive, RELOADING on SIGHUP, STOPPING on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import signal
+import threading
+import time
+from pathlib import Path
+
+from .. import config as config_mod
+from .. import log
+from ..config import Config
+from ..engine.client import EngineClient
+from ..errors import ConfigError
+from ..sources import local
+from ..sources.remote import RemoteSource
+from . import status
+from .control import ControlServer, Request
+from .messages import (
+    ControlRequest,
+    Downloaded,
+    FileChanged,
+    Message,
+    Rejected,
+    ReloadFinished,
+    SignalReceived,
+)
+from .notify import Notifier
+from .reloader import Reloader
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class Daemon:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        config_path: Path | None = None,
+        client: EngineClient | None = None,
+        notifier: Notifier | None = None,
+    ) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self.stop = threading.Event()
+        self.log = log.get()
+        self.notifier = notifier or Notifier()
+        self.reloader = Reloader(config, client or EngineClient(config.engine), self.inbox.put)
+        self.watcher = self._make_watcher(config)
+        self.remote = self._make_remote(config)
+        self.control = ControlServer(
+            config.control_socket, lambda request, reply: self.inbox.put(ControlRequest(request, reply))
+        )
+        self.ready_sent = False
+        self.stopping_since: float | None = None
+        self.last_status = ""
+
+    def _make_watcher(self, config: Config) -> local.Watcher:
+        return local.Watcher(
+            config.checkpoint_root,
+            ignore=config.source.ignore,
+            notify=lambda name: self.inbox.put(FileChanged(name)),
+            poll=config.source.poll and not config.source.remote,  # the cache is a local disk
+            poll_interval=min(config.source.interval, 2.0),
+        )
+
+    def _make_remote(self, config: Config) -> RemoteSource | None:
+        if not config.source.remote:
+            return None
+        return RemoteSource(
+            config,
+            serving=self.reloader.served.serving_key,
+            rejected=self.reloader.catalog.rejected_fingerprints,
+            post=self.inbox.put,
+        )
+
+    # -- edges: called from other threads or signal handlers; they only enqueue ------------
+
+    def request_stop(self) -> None:
+        self.inbox.put(SignalReceived(signal.SIGTERM))
+
+    def install_signal_handlers(self) -> None:
+        for signum in SIGNALS:
+            signal.signal(signum, lambda signo, _frame: self.inbox.put(SignalReceived(signo)))
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self.config.checkpoint_root.mkdir(parents=True, exist_ok=True)
+        self.watcher.start()
+        if self.remote:
+            self.remote.start()
+        self.reloader.start()
+        self.control.start()
+        if self.config.metrics.listen:
+            self.reloader.metrics.serve(self.config.metrics.listen)
+        self.log.info(
+            "daemon.started",
+            root=str(self.config.checkpoint_root),
+            source=self.config.source.path,
+            engine=self.config.engine.url,
+            detection="polling" if self.watcher.polling else "inotify",
+        )
+        try:
+            while not self.stop.is_set():
+                self._step()
+                self._wait()
+        finally:
+            self.control.close()
+            if self.remote:
+                self.remote.close()
+            self.watcher.close()
+            self.reloader.close()
+            serving = self.reloader.served.serving
+            self.log.info("daemon.stopped", serving=serving.version if serving else None)
+        return 0
+
+    def _step(self) -> None:
+        if self.stopping_since is None:
+            self.reloader.tick()
+        elif self.reloader.in_flight is None or time.monotonic() > self._stop_deadline():
+            self.stop.set()
+            return
+        self._tell_systemd()
+
+    def snapshot(self) -> status.Snapshot:
+        """What operators see: the reloader's view, and the object store's."""
+        found = self.reloader.snapshot()
+        if self.remote is None:
+            return found
+        return dataclasses.replace(
+            found,
+            pending={**found.pending, **self.remote.pending},
+            source_url=self.remote.config.source.path,
+            source_failing=dict(self.remote.problems),
+        )
+
+    def _tell_systemd(self) -> None:
+        if not self.ready_sent and self.reloader.served.reconciled:
+            self.ready_sent = True
+            self.notifier.ready(status.line(self.snapshot()))
+        elif not self.ready_sent:
+            self.notifier.extend_timeout(self.config.engine.retry_max + 30)
+        now = status.line(self.snapshot())
+        if now != self.last_status:
+            self.last_status = now
+            self.notifier.status(now)
+        if self._healthy():
+            self.notifier.watchdog()
+
+    def _healthy(self) -> bool:
+        """Alive means the helper threads run, and no reload outlives what its timeouts allow."""
+        if not (self.watcher.is_alive() and self.reloader.is_alive() and self.control.is_alive()):
+            return False
+        if self.remote and not self.remote.is_alive():
+            return False
+        job = self.reloader.in_flight
+        return job is None or time.monotonic() - job.started < self._reload_budget()
+
+    def _reload_budget(self) -> float:
+        engine = self.config.engine
+        return engine.pause_timeout + 2 * engine.reload_timeout + 6 * engine.timeout
+
+    def _stop_deadline(self) -> float:
+        assert self.stopping_since is not None
+        return self.stopping_since + self._reload_budget()
+
+    def _wait(self) -> None:
+        timeout = max(0.0, self.reloader.next_deadline() - time.monotonic())
+        if self.notifier.watchdog_interval is not None:
+            timeout = min(timeout, self.notifier.watchdog_interval)
+        if self.stopping_since is not None:
+            timeout = min(timeout, 0.5)
+        try:
+            messages = [self.inbox.get(timeout=timeout)]
+        except queue.Empty:
+            return
+        while True:
+            try:
+                messages.append(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        for message in messages:
+            self._dispatch(message)
+
+    # -- the one place messages are acted on ----------------------------------------------------
+
+    def _dispatch(self, message: Message) -> None:
+        match message:
+            case FileChanged(name):
+                self.reloader.changed(name)
+            case Downloaded(name):  # gate it now, not at the watcher's pace
+                self.reloader.changed(name)
+                self.reloader.prune_cache()
+            case Rejected(name, version, reason, fingerprint, check):
+                self.reloader.rejected_remotely(name, version, reason, fingerprint, check)
+            case ReloadFinished(outcome):
+                self.reloader.finished(outcome)
+            case ControlRequest(request, reply):
+                reply.put(self._control(request))
+            case SignalReceived(signum):
+                self._signal(signum)
+            case _:
+                self.log.error("inbox.unknown", message=repr(message)[:200])
+
+    def _control(self, request: Request) -> dict[str, object]:
+        command = request["command"]
+        if command == "status":
+            return {"ok": True, **status.answer(self.snapshot())}
+        error = None
+        if command == "pin":
+            error = self.reloader.pin(str(request.get("version", "")))
+        elif command == "unpin":
+            self.reloader.unpin()
+        self.reloader.check_now()
+        return {"ok": error is None, **({"error": error} if error else {})}
+
+    def _signal(self, signum: int) -> None:
+        if signum == signal.SIGHUP:
+            self.reload_config()
+        elif self.stopping_since is None:
+            self.stopping_since = time.monotonic()
+            self.notifier.stopping()
+            job = self.reloader.in_flight
+            self.log.info(
+                "daemon.stopping",
+                signal=signal.Signals(signum).name,
+                waiting_for=job.target.version if job else None,
+            )
+
+    def reload_config(self) -> None:
+        """SIGHUP: build a new config, validate it, swap it in with one assignment; keep the
+        old one (and say so) when the new one is invalid."""
+        self.notifier.reloading()
+        try:
+            if self.config_path is None:
+                raise ConfigError("no config file to re-read")
+            new = config_mod.load(self.config_path)
+        except ConfigError as exc:
+            self.log.error("config.invalid", reason=str(exc), kept="previous config")
+            self.notifier.ready(status.line(self.snapshot()))
+            return
+        old = self.config
+        if old.log.priority_prefix:  # set on the command line, which a SIGHUP does not re-read
+            new = new.model_copy(update={"log": new.log.model_copy(update={"priority_prefix": True})})
+        if new.log != old.log:
+            log.configure(new.log.level, new.log.format, priority_prefix=new.log.priority_prefix)
+        if new.source != old.source or new.state != old.state:
+            try:
+                remote = self._make_remote(new)
+            except ConfigError as exc:
+                self.log.error("config.invalid", reason=str(exc), kept="previous config")
+                self.notifier.ready(status.line(self.snapshot()))
+                return
+            if self.remote:
+                self.remote.close()
+            self.remote = remote
+            self.watcher.close()
+            new.checkpoint_root.mkdir(parents=True, exist_ok=True)
+            self.watcher = self._make_watcher(new)
+            self.watcher.start()
+            if self.remote:
+                self.remote.start()
+        self.config = new
+        self.reloader.reconfigure(new)
+        self.log.info("config.reloaded", path=str(self.config_path))
+        self.notifier.ready(status.line(self.snapshot()))

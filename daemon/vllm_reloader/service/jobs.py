@@ -1,0 +1,121 @@
+"""The reload thread: runs one `hot_swap` at a time, then the canary.
+
+A reload can take minutes on a real model. Running it here keeps the main loop free to
+take events, answer the control socket and ping systemd's watchdog; the outcome comes back
+to the loop as a message, like everything else. A canary that fails loads the fallback
+(the last good checkpoint) back at once, here, before the loop hears of it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from ..checkpoint.order import Candidate
+from ..config import CanaryConfig
+from ..engine import canary
+from ..engine.client import EngineClient
+from ..engine.swap import Target, hot_swap
+from ..errors import EngineError
+
+FLUSH_PROBES = 5
+
+
+@dataclass(frozen=True)
+class Job:
+    client: EngineClient
+    candidate: Candidate
+    target: Target
+    fallback: Target | None
+    size: int
+    canary: CanaryConfig = field(default_factory=CanaryConfig)
+    strategy: Literal["inplace", "sleep"] = "inplace"
+    extension: bool = False
+    """Load through the worker extension (`engine.client.EXTENSION`)."""
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    job: Job
+    seconds: float
+    timings: dict[str, Any] | None = None
+    error: EngineError | None = None
+    resume_error: EngineError | None = None
+    canary_failed: str | None = None
+    """Why the canary failed; then `rolled_back` says whether the fallback is loaded again."""
+    rolled_back: bool = False
+    flush_probes: int = 0
+    """Probes after the rollback until one passed (0: none did)."""
+
+
+class ReloadWorker:
+    def __init__(self, post: Callable[[Outcome], None]) -> None:
+        self._post = post
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="reload-worker", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, job: Job) -> None:
+        self._jobs.put(job)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            resume_errors: list[EngineError] = []
+            started = time.perf_counter()
+            try:
+                timings = hot_swap(
+                    job.client,
+                    job.target,
+                    fallback=job.fallback,
+                    on_resume_failed=resume_errors.append,
+                    strategy=job.strategy,
+                    extension=job.extension,
+                )
+                outcome = Outcome(job, time.perf_counter() - started, timings=timings)
+            except EngineError as exc:
+                outcome = Outcome(job, time.perf_counter() - started, error=exc)
+            if outcome.error is None and job.canary.enabled:
+                outcome = self._canary(job, outcome, resume_errors)
+            if resume_errors:
+                outcome = replace(outcome, resume_error=resume_errors[0])
+            self._post(outcome)
+
+    def _canary(self, job: Job, outcome: Outcome, resume_errors: list[EngineError]) -> Outcome:
+        started = time.perf_counter()
+        reason = canary.probe(job.client, job.canary)
+        timings = {**(outcome.timings or {}), "canary_ms": round((time.perf_counter() - started) * 1000, 3)}
+        if reason is None:
+            return replace(outcome, timings=timings)
+        if job.fallback is None:
+            return replace(outcome, timings=timings, canary_failed=reason)
+        try:
+            hot_swap(
+                job.client,
+                job.fallback,
+                fallback=None,
+                on_resume_failed=resume_errors.append,
+                strategy=job.strategy,
+                extension=job.extension,
+            )
+        except EngineError as exc:
+            return replace(outcome, timings=timings, canary_failed=reason, error=exc)
+        # The bad weights' requests left non-finite keys/values in freed KV blocks; requests
+        # that reuse a block may read them. Probe again until clean: that also takes them.
+        flushes = next(
+            (n for n in range(1, FLUSH_PROBES + 1) if canary.probe(job.client, job.canary) is None), 0
+        )
+        return replace(outcome, timings=timings, canary_failed=reason, rolled_back=True, flush_probes=flushes)

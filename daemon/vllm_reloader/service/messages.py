@@ -1,0 +1,55 @@
+"""The loop's inbox: what the other threads tell the one thread that acts.
+
+Watchdog callbacks, signal handlers, the object-store thread, the reload thread and the
+control server each put one of these small frozen messages on the inbox and return
+(gunicorn's arbiter: `SIG_QUEUE.put_nowait(sig)`, no logging in a handler); the loop
+dispatches on the type with `match`.
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+from typing import Any
+
+from ..sources.remote import Downloaded, Rejected
+from .jobs import Outcome
+
+
+@dataclass(frozen=True)
+class FileChanged:
+    """Something under ROOT/name changed (watchdog's thread)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class ReloadFinished:
+    """The reload thread is done with a job, canary included."""
+
+    outcome: Outcome
+
+
+@dataclass(frozen=True)
+class ControlRequest:
+    """A parsed control-socket request; the loop puts the answer on `reply`."""
+
+    request: dict[str, Any]
+    reply: queue.SimpleQueue[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class SignalReceived:
+    signum: int
+
+
+Message = FileChanged | Downloaded | Rejected | ReloadFinished | ControlRequest | SignalReceived
+__all__ = [
+    "ControlRequest",
+    "Downloaded",
+    "FileChanged",
+    "Message",
+    "Rejected",
+    "ReloadFinished",
+    "SignalReceived",
+]

@@ -1,0 +1,187 @@
+"""What a reload's outcome means: success, a failed reload (restored or not), a canary that
+failed (rolled back or not). `decide` works it out as data, a pure function of the outcome
+and what the daemon believed before; the reloader, which owns that state, applies it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ..errors import EngineError, ReloadFailed
+from .jobs import Outcome
+from .state import Loaded
+
+
+@dataclass(frozen=True)
+class Event:
+    level: Literal["info", "warning", "error"]
+    name: str
+    fields: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Rejecting:
+    name: str
+    version: str
+    reason: str
+    fingerprint: str
+    check: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    result: Literal["succeeded", "failed"]
+    """The reloads metric's label."""
+    events: tuple[Event, ...] = ()
+    """Logged in this order."""
+    resume_owed: bool = False
+    """The engine could not be resumed: keep trying from the loop."""
+    rollback: str | None = None
+    """The cause, when the last good checkpoint was loaded back."""
+    reject: Rejecting | None = None
+    serving: Loaded | None = None
+    set_serving: bool = False
+    """`serving` is what the engine now holds (None: unknown)."""
+    last_good: Loaded | None = None
+    """Set on success: the new rollback target."""
+    engine_down: EngineError | None = None
+    reloaded: Mapping[str, Any] = field(default_factory=dict)
+    """On success: seconds and bytes, for the metrics and `status`."""
+
+
+def decide(outcome: Outcome, *, believed: Loaded | None, now: float) -> Decision:
+    """`believed`: the checkpoint the daemon had as its rollback target (last good, else
+    serving), to tell whether a rollback put exactly that one back."""
+    job = outcome.job
+    version, path = job.target.version, job.target.path
+    events: list[Event] = []
+    if outcome.resume_error is not None:
+        events.append(Event("error", "engine.resume_failed", {"reason": str(outcome.resume_error)}))
+    owed = outcome.resume_error is not None
+    if outcome.canary_failed is not None:
+        return _canary_failed(outcome, events, owed, believed, now)
+    error = outcome.error
+    if isinstance(error, ReloadFailed):
+        events.append(
+            Event(
+                "error",
+                "reload.failed",
+                {"version": version, "path": path, "reason": str(error), "restored": error.restored},
+            )
+        )
+        rolled_back = error.restored and job.fallback is not None
+        if rolled_back and job.fallback is not None:
+            events.append(
+                Event(
+                    "warning",
+                    "reload.rolled_back",
+                    {"version": version, "to_version": job.fallback.version, "cause": "reload"},
+                )
+            )
+        reject = (
+            Rejecting(
+                job.candidate.name,
+                version,
+                f"reload_weights failed: {error}",
+                job.candidate.fingerprint,
+                "reload",
+            )
+            if error.engine_up
+            else None
+        )
+        return Decision(
+            "failed",
+            tuple(events),
+            owed,
+            rollback="reload" if rolled_back else None,
+            reject=reject,
+            engine_down=None if error.restored else error,
+        )
+    if error is not None:
+        events.append(
+            Event(
+                "error",
+                "reload.failed",
+                {"version": version, "path": path, "reason": str(error), "restored": False},
+            )
+        )
+        return Decision("failed", tuple(events), owed, engine_down=error)
+    loaded = Loaded(name=job.candidate.name, version=version, path=path, since=now, step=job.candidate.step)
+    seconds = outcome.seconds
+    events.append(
+        Event(
+            "info",
+            "reload.succeeded",
+            {
+                "version": version,
+                "path": path,
+                "bytes": job.size,
+                "duration_ms": round(seconds * 1000, 3),
+                "gb_per_s": round(job.size / seconds / 1e9, 3) if seconds > 0 else None,
+                **(outcome.timings or {}),
+            },
+        )
+    )
+    return Decision(
+        "succeeded",
+        tuple(events),
+        owed,
+        serving=loaded,
+        set_serving=True,
+        last_good=loaded,
+        reloaded={
+            "version": version,
+            "duration_ms": round(seconds * 1000, 3),
+            "at": now,
+            "seconds": seconds,
+            "bytes": job.size,
+        },
+    )
+
+
+def _canary_failed(
+    outcome: Outcome, events: list[Event], owed: bool, believed: Loaded | None, now: float
+) -> Decision:
+    """Loaded, but the engine answered like broken weights: reject it; the reload thread has
+    already loaded the fallback back when there was one."""
+    job, reason = outcome.job, f"canary: {outcome.canary_failed}"
+    version = job.target.version
+    reject = Rejecting(job.candidate.name, version, reason, job.candidate.fingerprint, "canary")
+    if outcome.rolled_back and job.fallback is not None:
+        events.append(
+            Event(
+                "warning",
+                "reload.rolled_back",
+                {
+                    "version": version,
+                    "to_version": job.fallback.version,
+                    "cause": "canary",
+                    "reason": reason,
+                    "clean_after_probes": outcome.flush_probes or None,
+                },
+            )
+        )
+        back = believed is not None and believed.version == job.fallback.version
+        return Decision(
+            "failed",
+            tuple(events),
+            owed,
+            rollback="canary",
+            reject=reject,
+            serving=believed,
+            set_serving=back,
+        )
+    if outcome.error is not None:  # the rollback itself failed: the engine is down or wedged
+        events.append(
+            Event("error", "reload.rollback_failed", {"version": version, "reason": str(outcome.error)})
+        )
+        return Decision(
+            "failed", tuple(events), owed, reject=reject, set_serving=True, engine_down=outcome.error
+        )
+    # Nothing to go back to: it stays loaded, rejected, and the next good one replaces it.
+    events.append(Event("error", "reload.canary_failed_no_fallback", {"version": version, "reason": reason}))
+    stays = Loaded(
+        name=job.candidate.name, version=version, path=job.target.path, since=now, step=job.candidate.step
+    )
+    return Decision("failed", tuple(events), owed, reject=reject, serving=stays, set_serving=True)

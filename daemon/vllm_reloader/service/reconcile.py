@@ -1,0 +1,75 @@
+"""What the engine is serving, worked out from what it reports and what the root holds.
+
+Pure functions of their inputs (the engine's weight version and startup model path, the
+state file, the candidates), so a restarted daemon's judgement is testable without one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from ..checkpoint import layout, order
+from ..checkpoint.manifest import MANIFEST_NAME
+from ..checkpoint.manifest import parse as parse_manifest
+from ..engine.client import RELOADING_PREFIX, STARTUP_VERSION
+from ..errors import LayoutUnreadable, ManifestInvalid, NotJSONYet
+from .state import Loaded
+
+
+def version_of(directory: Path) -> str:
+    try:
+        return parse_manifest((directory / MANIFEST_NAME).read_bytes()).version or directory.name
+    except (OSError, NotJSONYet, ManifestInvalid):
+        return directory.name
+
+
+def serving(
+    engine_version: str,
+    startup: str,
+    *,
+    known: Loaded | None,
+    root: Path,
+    candidates: Mapping[str, order.Candidate],
+) -> Loaded:
+    """The checkpoint the engine holds now.
+
+    `default` means never reloaded (e.g. the engine restarted): its startup model.
+    `reloading:…` means a reload was cut short: the weights may be a mix of two checkpoints.
+    """
+    now = time.time()
+    if engine_version.startswith(RELOADING_PREFIX):
+        # Weights of unknown mix: no position in the order, so any good candidate replaces them.
+        return Loaded(name=engine_version, version=engine_version, path=startup, since=now, in_root=False)
+    if engine_version == STARTUP_VERSION:
+        directory = Path(startup)
+        in_root = directory.parent.resolve() == root.resolve() and directory.name in candidates
+        candidate = candidates.get(directory.name) if in_root else None
+        return Loaded(
+            name=directory.name,
+            version=version_of(directory) if in_root else STARTUP_VERSION,
+            path=startup,
+            since=now,
+            step=candidate.step if candidate else None,
+            in_root=in_root,
+        )
+    if known is not None and known.version == engine_version:
+        return known
+    for name, candidate in candidates.items():
+        if version_of(root / name) == engine_version:
+            return Loaded(
+                name=name, version=engine_version, path=str(root / name), since=now, step=candidate.step
+            )
+    return Loaded(name=engine_version, version=engine_version, path=startup, since=now, in_root=False)
+
+
+def baseline(*paths: str) -> layout.Layout | None:
+    """The layout every candidate must match. Reloading never changes it, so the startup
+    model's is as good as the serving one's, and it stays readable after old versions go."""
+    for path in dict.fromkeys(paths):
+        try:
+            return layout.read_served_layout(Path(path))
+        except (OSError, LayoutUnreadable):
+            continue
+    return None

@@ -1,0 +1,378 @@
+"""The reloader: decides what to do next from what is on disk and what the engine holds.
+
+It owns the three pieces of state the daemon acts on — the `Catalog` (what is on disk),
+`Served` (what the engine holds) and the job in flight — and the state file they are saved
+to. The daemon's loop feeds it and calls `tick`; it never blocks on the engine for longer
+than one quick call, because reloads run on the reload thread (`jobs`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .. import failpoints, log
+from ..checkpoint import gate, order
+from ..checkpoint.manifest import MANIFEST_NAME
+from ..config import Config
+from ..engine.client import RELOADING_PREFIX, STARTUP_VERSION, EngineClient
+from ..engine.swap import Target
+from ..errors import EngineCallFailed, EngineError, EngineUnavailable, StateError
+from ..sources import cache
+from . import outcomes, reconcile
+from . import state as state_store
+from .catalog import Catalog
+from .jobs import Job, Outcome, ReloadWorker
+from .messages import ReloadFinished
+from .metrics import Metrics
+from .served import Served
+from .state import Loaded, State
+from .status import Snapshot
+
+
+class Reloader:
+    def __init__(self, config: Config, client: EngineClient, post: Callable[[ReloadFinished], None]) -> None:
+        self.config = config
+        self.client = client
+        self.log = log.get()
+        saved = state_store.load(config.state.dir)
+        self.catalog = Catalog(
+            config.checkpoint_root,
+            ignore=config.source.ignore,
+            convention=gate.GateOptions.from_config(config).convention,
+            rejected=saved.rejected,
+            pinned=saved.pinned,
+        )
+        self.served = Served(saved.serving, saved.last_good, config.engine.retry_initial)
+        self.in_flight: Job | None = None
+        self.saved = saved
+        self.metrics = Metrics()
+        self.next_rescan = 0.0
+        self.next_recheck: float | None = None
+        self.worker = ReloadWorker(lambda outcome: post(ReloadFinished(outcome)))
+
+    @property
+    def root(self) -> Path:
+        return self.config.checkpoint_root
+
+    def start(self) -> None:
+        self.worker.start()
+
+    def is_alive(self) -> bool:
+        return self.worker.is_alive()
+
+    def close(self) -> None:
+        self.worker.close()
+        if self.served.resume_owed:
+            self._retry_resume()
+        self.client.close()
+
+    def reconfigure(self, config: Config) -> None:
+        """SIGHUP: the daemon swapped in a new config; follow it (a new engine is reconciled)."""
+        old, self.config = self.config, config
+        self.catalog.configure(
+            config.checkpoint_root, config.source.ignore, gate.GateOptions.from_config(config).convention
+        )
+        if config.source != old.source or config.state != old.state:
+            self.next_rescan = 0.0
+        if config.engine != old.engine:
+            self.client = EngineClient(config.engine)
+            self.served.reconciled = False
+
+    def next_deadline(self) -> float:
+        served = self.served
+        deadlines = [self.next_rescan]
+        if served.reconciled and self.in_flight is None:
+            deadlines.append(served.next_check)
+        if self.next_recheck is not None:
+            deadlines.append(self.next_recheck)
+        if not served.reconciled or served.resume_owed:
+            deadlines.append(served.retry_at)
+        return min(deadlines)
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        served = self.served
+        if served.resume_owed and now >= served.retry_at:
+            self._retry_resume()
+        if now >= self.next_rescan:
+            self.catalog.rescan()
+            self.next_rescan = now + self.config.source.rescan_interval
+        self.catalog.refresh_dirty()
+        try:
+            if served.reconciled and self.in_flight is None and now >= served.next_check:
+                self._check_engine()
+            if not served.reconciled:
+                if now < served.retry_at:
+                    return
+                self._reconcile()
+        except EngineError as exc:
+            self.engine_down(exc)
+            return
+        served.answered(now, self.config.engine.check_interval)
+        self.metrics.engine_up.set(1)
+        self._advance()
+
+    def snapshot(self) -> Snapshot:
+        served = self.served
+        return Snapshot(
+            serving=served.serving,
+            last_good=served.last_good,
+            last_reload=dict(served.last_reload) if served.last_reload else None,
+            reloading=self.in_flight.target.version if self.in_flight else None,
+            pinned=self.catalog.pinned,
+            pending=dict(sorted(self.catalog.pending.items())),
+            rejected=dict(sorted(self.catalog.rejected.items())),
+            engine_url=self.config.engine.url,
+            engine_reachable=served.up,
+            last_scan=self.catalog.last_scan,
+        )
+
+    # -- inputs from the loop -------------------------------------------------------------
+
+    def changed(self, name: str) -> None:
+        self.catalog.dirty.add(name)
+
+    def rejected_remotely(self, name: str, version: str, reason: str, fingerprint: str, check: str) -> None:
+        self._reject(name, version, reason, fingerprint, check=check)
+
+    def finished(self, outcome: Outcome) -> None:
+        """A reload came back from the reload thread: apply what it means."""
+        self.in_flight = None
+        served = self.served
+        believed = served.last_good or served.serving
+        decision = outcomes.decide(outcome, believed=believed, now=time.time())
+        if decision.result == "succeeded":
+            failpoints.hit("after_version")  # the engine serves it; nothing recorded yet
+        for event in decision.events:
+            getattr(self.log, event.level)(event.name, **event.fields)
+        self.metrics.reloads.labels(result=decision.result).inc()
+        if decision.resume_owed:
+            served.resume_owed = True
+        if decision.rollback:
+            self.metrics.rollbacks.labels(cause=decision.rollback).inc()
+        if (r := decision.reject) is not None:
+            self._reject(r.name, r.version, r.reason, r.fingerprint, check=r.check)
+        if decision.set_serving:
+            self.set_serving(decision.serving, last_good=decision.last_good)
+        if decision.reloaded:
+            self.metrics.reload_seconds.observe(decision.reloaded["seconds"])
+            self.metrics.bytes_reloaded.inc(decision.reloaded["bytes"])
+            served.last_reload = {k: decision.reloaded[k] for k in ("version", "duration_ms", "at")}
+            self.prune_cache()
+        if decision.engine_down is not None:
+            self.engine_down(decision.engine_down)
+
+    # -- the control socket's commands (called on the main loop) -----------------------------
+
+    def pin(self, name: str) -> str | None:
+        """Pin a checkpoint by directory name or version; returns an error, or None."""
+        match = self.catalog.find(name)
+        if match is None:
+            return f"no checkpoint named {name!r} in {self.root}"
+        self.log.info("control.pinned", name=match)
+        self.catalog.pinned = match
+        self._persist()
+        return None
+
+    def unpin(self) -> None:
+        self.log.info("control.unpinned", name=self.catalog.pinned)
+        self.catalog.pinned = None
+        self._persist()
+
+    def check_now(self) -> None:
+        """`reload`: rescan the root and ask the engine now, instead of at the next timer."""
+        self.next_rescan = self.served.next_check = self.served.retry_at = 0.0
+
+    # -- the engine: what it holds, and loading ------------------------------------------
+
+    def _check_engine(self) -> None:
+        """Notice an engine that restarted (or was reloaded by someone else) while we idled."""
+        version = self.client.weight_version()
+        serving = self.served.serving
+        if serving is None or version != serving.version:
+            self.log.warning(
+                "engine.changed", engine_reported=version, expected=serving.version if serving else None
+            )
+            self.served.reconciled = False
+
+    def _reconcile(self) -> None:
+        """Learn what the engine serves, so nothing is reloaded needlessly after a restart."""
+        served = self.served
+        version = self.client.weight_version()
+        server = self.client.server_config()
+        served.startup = server.model
+        served.sleep_capable, served.extension = server.sleep_mode, server.extension
+        self.catalog.rescan()
+        serving = reconcile.serving(
+            version, server.model, known=served.serving, root=self.root, candidates=self.catalog.candidates
+        )
+        served.baseline = reconcile.baseline(server.model, serving.path)
+        if served.baseline is None:
+            self.log.error(
+                "gate.no_baseline",
+                paths=[server.model, serving.path],
+                reason="cannot read the serving checkpoint's headers: nothing will be loaded",
+            )
+        served.reconciled = True
+        served.backoff = self.config.engine.retry_initial
+        self.log.info(
+            "engine.reconciled", version=serving.version, path=serving.path, engine_reported=version
+        )
+        if version.startswith(RELOADING_PREFIX) and served.last_good is not None:
+            self._restore_after_interrupted_reload(version)  # resumes when done
+            return
+        if self.client.is_paused():
+            # Only a daemon killed mid-reload leaves it so: nothing else pauses this engine.
+            self.client.resume()
+            self.log.warning("engine.resumed", reason="found paused at reconcile")
+        if version == STARTUP_VERSION and serving.in_root:
+            # Name the startup weights, so clients and `weight_info` see which checkpoint it is.
+            self.client.set_weight_version(serving.version)
+        self.set_serving(serving)
+
+    def _restore_after_interrupted_reload(self, marker: str) -> None:
+        """The weights may be a mix of two checkpoints: load the last good one back."""
+        good = self.served.last_good
+        assert good is not None
+        self.log.warning("engine.weights_unknown", engine_reported=marker, restoring=good.version)
+        self.set_serving(None)
+        self._load(order.Candidate(good.name, good.step, ""), good.version, good.path, 0)
+
+    def _advance(self) -> None:
+        if self.served.baseline is None or self.in_flight is not None:
+            return
+        options = gate.GateOptions.from_config(self.config)
+        self.next_recheck = None
+        for candidate in self.catalog.worth_trying(self.served.serving, self.served.serving_key()):
+            directory = self.root / candidate.name
+            started = time.perf_counter()
+            verdict = gate.check(directory, serving=self.served.baseline, options=options)
+            gate_ms = round((time.perf_counter() - started) * 1000, 3)
+            if verdict.status == "pending":
+                self.catalog.note_pending(candidate.name, verdict.reason)
+                self.next_recheck = time.monotonic() + self.config.source.pending_recheck_interval
+            elif verdict.status == "rejected":
+                version = verdict.manifest.version if verdict.manifest else None
+                self._reject(candidate.name, version, verdict.reason, verdict.fingerprint, **verdict.details)
+            else:
+                manifest = verdict.manifest
+                assert manifest is not None
+                version = manifest.version or candidate.name
+                self.log.info(
+                    "checkpoint.ready",
+                    name=candidate.name,
+                    version=version,
+                    bytes=verdict.bytes,
+                    gate_ms=gate_ms,
+                )
+                self.catalog.pending.pop(candidate.name, None)
+                ready = order.Candidate(candidate.name, manifest.step, verdict.fingerprint)
+                self._load(ready, version, str(directory), verdict.bytes)
+                return
+
+    def _load(self, candidate: order.Candidate, version: str, path: str, size: int) -> None:
+        served = self.served
+        fallback = served.last_good or served.serving
+        lag_ms = _detection_lag_ms(Path(path))
+        if lag_ms is not None and candidate.fingerprint:  # not for restores of old checkpoints
+            self.metrics.detection_lag.observe(lag_ms / 1000)
+        strategy = self.config.engine.strategy
+        if strategy == "auto":
+            strategy = "sleep" if served.sleep_capable else "inplace"
+        self.log.info(
+            "reload.started",
+            version=version,
+            path=path,
+            bytes=size,
+            from_version=served.serving.version if served.serving else None,
+            detect_ms=lag_ms,
+            strategy=strategy,
+            loader="extension" if served.extension else "builtin",
+        )
+        self.in_flight = Job(
+            client=self.client,
+            candidate=candidate,
+            target=Target(version, path),
+            fallback=Target(fallback.version, fallback.path) if fallback else None,
+            size=size,
+            canary=self.config.canary,
+            strategy=strategy,
+            extension=served.extension,
+        )
+        self.worker.submit(self.in_flight)
+
+    def prune_cache(self) -> None:
+        """Downloads only (a local root is the trainer's): keep what serves or may be rolled back to."""
+        if not self.config.source.remote:
+            return
+        served = self.served
+        protected = {loaded.name for loaded in (served.serving, served.last_good) if loaded is not None}
+        protected |= {self.catalog.pinned or "", self.in_flight.candidate.name if self.in_flight else ""}
+        if served.startup and Path(served.startup).parent == self.root:
+            protected.add(Path(served.startup).name)
+        protected |= self.catalog.newer_than(served.serving_key())  # downloaded to be loaded next: not yet
+        doomed = cache.to_prune(self.catalog.candidates, protected=protected, keep=self.config.state.keep)
+        for name in cache.prune(self.root, doomed):
+            self.catalog.forget(name)
+            self.log.info("cache.pruned", name=name, kept=sorted(protected - {""}))
+
+    def set_serving(self, serving: Loaded | None, *, last_good: Loaded | None = None) -> None:
+        if serving is not None and serving.step is not None:
+            self.metrics.serving_step.set(serving.step)
+        self.served.loaded(serving, last_good)
+        self._persist()
+
+    def _reject(
+        self, name: str, version: str | None, reason: str, fingerprint: str, **details: object
+    ) -> None:
+        self.metrics.rejected.labels(check=details.get("check", "")).inc()
+        self.catalog.reject(name, version, reason, fingerprint, **details)
+        self._persist()
+
+    def _persist(self) -> None:
+        """Keep serving when the state disk fails: the engine, not this file, is the truth."""
+        served, catalog = self.served, self.catalog
+        new = State(
+            serving=served.serving,
+            last_good=served.last_good,
+            rejected=dict(catalog.rejected),
+            pinned=catalog.pinned,
+        )
+        if new == self.saved:
+            return
+        try:
+            state_store.save(self.config.state.dir, new)
+        except StateError as exc:
+            self.log.error("state.write_failed", reason=str(exc))
+            return
+        self.saved = new
+
+    def engine_down(self, exc: EngineError) -> None:
+        wait = self.served.went_down(time.monotonic(), self.config.engine.retry_max)
+        self.metrics.engine_up.set(0)
+        self.log.warning(
+            "engine.unreachable" if isinstance(exc, EngineUnavailable) else "engine.error",
+            url=self.config.engine.url,
+            reason=str(exc),
+            retry_in_s=wait,
+        )
+
+    def _retry_resume(self) -> None:
+        try:
+            self.client.resume()
+        except (EngineUnavailable, EngineCallFailed) as exc:
+            self.engine_down(exc)
+            return
+        self.served.resume_owed = False
+        self.log.info("engine.resumed")
+
+
+def _detection_lag_ms(directory: Path) -> float | None:
+    try:
+        mtime = os.stat(directory / MANIFEST_NAME).st_mtime
+    except OSError:
+        return None
+    return round((time.time() - mtime) * 1000, 3)

@@ -1,0 +1,101 @@
+"""What the daemon tells its operators: the control socket's `status` answer, the one line
+systemd shows (`STATUS=`), and the on-call view `vllm-reloader status` prints. All three
+render a `Snapshot`: immutable, taken on the main loop, so nothing here reads live state."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .state import Loaded, Rejection
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    serving: Loaded | None
+    last_good: Loaded | None
+    last_reload: Mapping[str, Any] | None
+    reloading: str | None
+    pinned: str | None
+    pending: Mapping[str, str]
+    rejected: Mapping[str, Rejection]
+    engine_url: str
+    engine_reachable: bool
+    last_scan: float
+    source_url: str | None = None
+    """An object-store source; then `source_failing` says what fails now."""
+    source_failing: Mapping[str, str] = field(default_factory=dict)
+
+
+def answer(snapshot: Snapshot) -> dict[str, Any]:
+    found: dict[str, Any] = {
+        "serving": snapshot.serving.model_dump() if snapshot.serving else None,
+        "last_good": snapshot.last_good.model_dump() if snapshot.last_good else None,
+        "last_reload": dict(snapshot.last_reload) if snapshot.last_reload else None,
+        "reloading": snapshot.reloading,
+        "pinned": snapshot.pinned,
+        "pending": dict(snapshot.pending),
+        "rejected": {name: r.model_dump() for name, r in snapshot.rejected.items()},
+        "engine": {"url": snapshot.engine_url, "reachable": snapshot.engine_reachable},
+    }
+    if snapshot.source_url is not None:
+        found["source"] = {"url": snapshot.source_url, "failing": dict(snapshot.source_failing)}
+    return found
+
+
+def line(snapshot: Snapshot) -> str:
+    """One line for systemd's STATUS=: what is served, since when, what waits."""
+    serving = snapshot.serving
+    parts = [
+        f"serving {serving.version} since {time.strftime('%H:%M:%S', time.localtime(serving.since))}"
+        if serving
+        else "waiting for the engine"
+    ]
+    if snapshot.reloading is not None:
+        parts.append(f"reloading {snapshot.reloading}")
+    parts.append(f"{len(snapshot.pending)} pending")
+    if snapshot.last_scan:
+        parts.append(f"last scan {time.time() - snapshot.last_scan:.0f} s ago")
+    if snapshot.source_failing:
+        parts.append("object store failing")
+    return "; ".join(parts)
+
+
+def _ago(timestamp: float) -> str:
+    seconds = max(0, int(time.time() - timestamp))
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+        if seconds >= 3600
+        else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
+
+
+def render(answer: dict[str, Any]) -> str:
+    """The on-call view: one fact per line, reasons in full."""
+    serving = answer.get("serving")
+    lines = []
+    if serving:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(serving["since"]))
+        lines.append(f"serving   {serving['version']}  since {since} ({_ago(serving['since'])} ago)")
+        lines.append(f"          {serving['path']}")
+    else:
+        lines.append("serving   (unknown: waiting for the engine)")
+    engine = answer.get("engine", {})
+    lines.append(
+        f"engine    {engine.get('url')}  {'reachable' if engine.get('reachable') else 'UNREACHABLE'}"
+    )
+    if answer.get("pinned"):
+        lines.append(f"pinned    {answer['pinned']}  (not auto-advancing; `vllm-reloader unpin` resumes)")
+    if answer.get("reloading"):
+        lines.append(f"reloading {answer['reloading']}")
+    last = answer.get("last_reload")
+    if last:
+        lines.append(f"last      {last['version']} in {last['duration_ms']:.0f} ms, {_ago(last['at'])} ago")
+    pending, rejected = answer.get("pending", {}), answer.get("rejected", {})
+    lines.append(f"pending   {len(pending)}")
+    lines.extend(f"  {name}: {reason}" for name, reason in pending.items())
+    lines.append(f"rejected  {len(rejected)}")
+    lines.extend(f"  {name}: {r['reason']}" for name, r in rejected.items())
+    return "\n".join(lines)

@@ -1,0 +1,246 @@
+"""Download one checkpoint from the object store into the local root: verified, resumable.
+
+Parts are fetched with parallel ranged GETs (`concurrency` at a time, `part_size` bytes
+each, `If-Match` the listed ETag) and written in place with `pwrite`. They are consumed
+in file order as the window slides, so each file's digests are computed while streaming
+with at most `concurrency` parts in memory. Each finished part is appended to a journal in
+the staging directory; after a crash those parts are read back from disk, not fetched
+again. The manifest is written last, everything is fsynced, and one rename puts the
+directory into the root — where the local gate checks it once more, like any checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..checkpoint.manifest import Manifest, ManifestFile, digest_mismatch, hashers
+from ..durable import fsync_dir, write_synced
+from ..errors import Cancelled, DownloadError, SourceError
+from .objstore import Object, Store
+
+JOURNAL_NAME = ".parts"
+
+Part = tuple[str, int, int, str]
+"""(path, start, end, etag): one ranged GET, and its journal entry."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    concurrency: int = 8
+    part_size: int = 16 << 20
+    min_free_bytes: int = 1 << 30
+
+
+@dataclass(frozen=True)
+class Fetched:
+    path: Path | None
+    """The checkpoint in the root; None when `rejected`."""
+    rejected: str = ""
+    """Why these bytes can never load (a digest mismatch): final for this manifest."""
+    fetched_bytes: int = 0
+    reused_bytes: int = 0
+    seconds: float = 0.0
+
+
+class _Journal:
+    def __init__(self, path: Path, resume: bool) -> None:
+        self.path = path
+        self.done: set[Part] = set()
+        if resume and path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    entry = json.loads(line)
+                    self.done.add((entry["path"], entry["start"], entry["end"], entry["etag"]))
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut short by the crash
+        self._file = path.open("a")
+        self._lock = threading.Lock()
+
+    def record(self, part: Part) -> None:
+        path, start, end, etag = part
+        with self._lock:
+            self._file.write(json.dumps({"path": path, "start": start, "end": end, "etag": etag}) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _parts(manifest: Manifest, listing: dict[str, Object], part_size: int) -> Iterator[Part]:
+    for entry in manifest.files:
+        etag = listing[entry.path].etag or ""
+        for start in range(0, entry.size, part_size):
+            yield entry.path, start, min(start + part_size, entry.size), etag
+
+
+def _check_space(staging: Path, needed: int, margin: int) -> None:
+    info = os.statvfs(staging)
+    free = info.f_bavail * info.f_frsize
+    if free - needed < margin:
+        raise DownloadError(
+            f"not enough space in {staging.parent}: the download needs {needed / 1e9:.2f} GB more "
+            f"and {margin / 1e9:.2f} GB must stay free, {free / 1e9:.2f} GB is free"
+        )
+
+
+class _Download:
+    def __init__(
+        self,
+        store: Store,
+        manifest: Manifest,
+        listing: dict[str, Object],
+        staging: Path,
+        plan: Plan,
+        stop: threading.Event,
+        get_part: Callable[[Part], memoryview] | None,
+        journal: _Journal,
+    ) -> None:
+        self.store, self.manifest, self.listing, self.staging = store, manifest, listing, staging
+        self.journal = journal
+        self.plan, self.stop = plan, stop
+        prefix = staging.name  # keys in the store are NAME/PATH
+        self.get_part = get_part or (lambda p: store.get_range(f"{prefix}/{p[0]}", p[1], p[2], p[3] or None))
+        self.fds: dict[str, int] = {}
+        self.fetched = self.reused = 0
+        self.reused_in: set[str] = set()
+
+    def open_files(self) -> None:
+        for entry in self.manifest.files:
+            path = self.staging / entry.path
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            self.fds[entry.path] = fd
+            if os.fstat(fd).st_size != entry.size:
+                os.ftruncate(fd, entry.size)
+
+    def part(self, part: Part) -> memoryview:
+        """Runs on the pool: one part, from the journal's copy on disk or from the store."""
+        path, start, end, _ = part
+        fd = self.fds[path]
+        if part in self.journal.done:
+            return memoryview(os.pread(fd, end - start, start))
+        if self.stop.is_set():
+            raise Cancelled("the daemon is stopping")
+        data = self.get_part(part)
+        if len(data) != end - start:
+            raise SourceError(f"GET {path} [{start}, {end}): {len(data)} bytes came back")
+        os.pwrite(fd, data, start)
+        self.journal.record(part)
+        return data
+
+    def run(self) -> str:
+        """Fetch and hash everything; returns why the bytes are bad, or "" when they are good."""
+        self.entries = {e.path: e for e in self.manifest.files}
+        self.states = {path: hashers(e) for path, e in self.entries.items()}
+        self.remaining = {path: e.size for path, e in self.entries.items()}
+        for entry in self.entries.values():
+            if entry.size == 0 and (bad := self._finish(entry)):
+                return bad
+        todo = _parts(self.manifest, self.listing, self.plan.part_size)
+        window: deque[tuple[Part, Future[memoryview]]] = deque()
+        with ThreadPoolExecutor(self.plan.concurrency, thread_name_prefix="download") as pool:
+            try:
+                while True:
+                    while len(window) < self.plan.concurrency and (part := next(todo, None)):
+                        window.append((part, pool.submit(self.part, part)))
+                    if not window:
+                        return ""
+                    part, future = window.popleft()
+                    if bad := self._consume(part, future.result()):
+                        return bad
+            finally:
+                pool.shutdown(cancel_futures=True)
+
+    def _consume(self, part: Part, data: memoryview) -> str:
+        """On the calling thread, in file order: hash the part; check the file once it is whole."""
+        path, start, end, _ = part
+        if part in self.journal.done:
+            self.reused += end - start
+            self.reused_in.add(path)
+        else:
+            self.fetched += end - start
+        for state in self.states[path].values():
+            state.update(data)
+        self.remaining[path] -= end - start
+        return self._finish(self.entries[path]) if self.remaining[path] == 0 else ""
+
+    def _finish(self, entry: ManifestFile) -> str:
+        os.fsync(self.fds[entry.path])
+        return digest_mismatch(entry, self.states[entry.path]) or ""
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+def fetch(
+    store: Store,
+    name: str,
+    last: tuple[str, bytes] | None,
+    manifest: Manifest,
+    listing: dict[str, Object],
+    *,
+    staging_root: Path,
+    root: Path,
+    plan: Plan = Plan(),
+    stop: threading.Event | None = None,
+    get_part: Callable[[Part], memoryview] | None = None,
+) -> Fetched:
+    """Download `name` (whose manifest and listing the caller judged complete) into `root`.
+
+    `manifest` lists what to fetch (ours, or one worked out for a foreign writer); `listing`
+    maps each of its paths to the listed object; `last` is the file that marks the
+    checkpoint complete (our manifest, an HF index, a marker), written after all others.
+
+    Raises SourceError (the store failed: retry later, the journal keeps the progress),
+    DownloadError (the cache disk); returns `rejected` when the bytes fail their digests."""
+    stop = stop or threading.Event()
+    started = time.perf_counter()
+    staging = staging_root / name
+    try:
+        for resume in (True, False):
+            staging.mkdir(parents=True, exist_ok=True)
+            journal = _Journal(staging / JOURNAL_NAME, resume)
+            download = _Download(store, manifest, listing, staging, plan, stop, get_part, journal)
+            try:
+                reused = sum(end - start for _, start, end, _ in journal.done)
+                _check_space(staging, manifest.total_bytes - reused, plan.min_free_bytes)
+                download.open_files()
+                bad = download.run()
+            finally:
+                journal.close()
+                download.close()
+            if bad and download.reused_in and resume:
+                shutil.rmtree(staging)  # parts kept from before a crash may not have reached the disk
+                continue
+            seconds = time.perf_counter() - started
+            if bad:
+                shutil.rmtree(staging, ignore_errors=True)
+                return Fetched(None, bad, download.fetched, download.reused, seconds)
+            return Fetched(_place(staging, root, name, last), "", download.fetched, download.reused, seconds)
+    except OSError as exc:
+        raise DownloadError(f"downloading {name} into {staging}: {exc.strerror or exc}") from exc
+    raise AssertionError("unreachable")
+
+
+def _place(staging: Path, root: Path, name: str, last: tuple[str, bytes] | None) -> Path:
+    """The completing file last, everything fsynced, then one rename into the root."""
+    (staging / JOURNAL_NAME).unlink(missing_ok=True)
+    if last is not None:
+        write_synced(staging / last[0], last[1])
+    for directory in sorted({p.parent for p in staging.rglob("*")}, reverse=True):
+        fsync_dir(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / name
+    os.rename(staging, final)
+    fsync_dir(root)
+    return final

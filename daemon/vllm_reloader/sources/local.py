@@ -1,0 +1,147 @@
+"""Where candidates come from: a local checkpoint root, watched and rescanned.
+
+watchdog (inotify, or polling on network filesystems where inotify sees nothing) runs its
+callbacks on its own thread, so they only map a path to a candidate name and enqueue it;
+the daemon's main loop does the work. A full rescan backs the watcher up, because an
+inotify queue can overflow and a poll can miss a rename.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+from watchdog.observers.api import BaseObserver
+from watchdog.observers.polling import PollingObserver
+
+from ..checkpoint.completeness import UNFINISHED_SUFFIX
+
+# Names trainers write while a checkpoint is not done yet, never candidates themselves
+# (dot-directories neither): Orbax's temporary directories, HF Trainer's, partial files, and
+# NeMo's `<name>-unfinished` marker (which also holds `<name>` pending; see `gate`).
+ALWAYS_IGNORED = (
+    "*.orbax-checkpoint-tmp-*",
+    "tmp-checkpoint-*",
+    "*.tmp",
+    "*.partial",
+    "*" + UNFINISHED_SUFFIX,
+)
+
+# Filesystems on which inotify does not see writes made by other hosts.
+NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "ceph", "glusterfs", "lustre", "gpfs")
+
+
+def is_ignored(name: str, ignore: Iterable[str] = ()) -> bool:
+    patterns = (*ALWAYS_IGNORED, *ignore)
+    return name.startswith(".") or any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def candidate_name(root: Path, path: str, ignore: Iterable[str]) -> str | None:
+    """The top-level directory under `root` that `path` belongs to, if it may be a candidate."""
+    try:
+        relative = Path(path).relative_to(root)
+    except ValueError:
+        return None
+    if not relative.parts:
+        return None
+    name = relative.parts[0]
+    if name.endswith(UNFINISHED_SUFFIX):  # NeMo's marker coming or going concerns `<name>`
+        name = name.removesuffix(UNFINISHED_SUFFIX)
+    return None if is_ignored(name, ignore) else name
+
+
+def list_candidates(root: Path, ignore: Iterable[str]) -> set[str]:
+    """Directory names directly under `root` that may be checkpoints."""
+    ignore = tuple(ignore)
+    try:
+        with os.scandir(root) as entries:
+            return {
+                e.name for e in entries if e.is_dir(follow_symlinks=False) and not is_ignored(e.name, ignore)
+            }
+    except FileNotFoundError:
+        return set()
+
+
+def filesystem_type(path: Path, mounts: str | None = None) -> str:
+    """The fstype of the mount holding `path`, from /proc/mounts (longest prefix wins)."""
+    if mounts is None:
+        try:
+            mounts = Path("/proc/mounts").read_text()
+        except OSError:
+            return ""
+    target = os.path.realpath(path)
+    best, fstype = "", ""
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mount_point = fields[1].replace("\\040", " ")
+        inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
+        if inside and len(mount_point) >= len(best):
+            best, fstype = mount_point, fields[2]
+    return fstype
+
+
+def needs_polling(path: Path, mounts: str | None = None) -> bool:
+    fstype = filesystem_type(path, mounts)
+    return fstype in NETWORK_FS or fstype == "fuse" or fstype.startswith("fuse.")
+
+
+class _Enqueue(FileSystemEventHandler):
+    def __init__(self, root: Path, ignore: tuple[str, ...], notify: Callable[[str], None]) -> None:
+        self.root, self.ignore, self.notify = root, ignore, notify
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        if event.event_type in ("opened", "closed_no_write"):
+            return
+        for path in (event.src_path, event.dest_path):
+            if path and (name := candidate_name(self.root, os.fsdecode(path), self.ignore)):
+                self.notify(name)
+
+
+def disable_move_pairing_delay() -> None:
+    """watchdog holds each IN_MOVED_FROM up to 0.5 s to pair it with its IN_MOVED_TO, and its
+    queue can sit out the whole delay even after the pair arrived: a publish (a rename inside
+    the root) was then seen ~500 ms late about one time in six (bench/detection.py). Both
+    halves map to a candidate name here, so pairing buys nothing. The delay is a class
+    attribute read when an inotify observer starts: set it just before."""
+    try:  # Linux only
+        from watchdog.observers.inotify_move_event_grouper import InotifyMoveEventGrouper
+    except ImportError:  # pragma: no cover
+        return
+    InotifyMoveEventGrouper.delay = 0.0
+
+
+class Watcher:
+    """Calls `notify(name)` from watchdog's thread whenever something under ROOT/name changes."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        ignore: Iterable[str],
+        notify: Callable[[str], None],
+        poll: bool,
+        poll_interval: float,
+    ) -> None:
+        self.root = root
+        self.polling = poll or needs_polling(root)
+        self._observer: BaseObserver = PollingObserver(timeout=poll_interval) if self.polling else Observer()
+        self._observer.schedule(_Enqueue(root, tuple(ignore), notify), str(root), recursive=True)
+
+    def start(self) -> None:
+        if not self.polling:
+            disable_move_pairing_delay()
+        self._observer.start()
+
+    def is_alive(self) -> bool:
+        return self._observer.is_alive()
+
+    def close(self) -> None:
+        self._observer.stop()
+        if self._observer.is_alive():
+            self._observer.join(timeout=5)

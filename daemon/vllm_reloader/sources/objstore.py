@@ -1,0 +1,116 @@
+"""The object-store edge: obstore (one Rust client for S3, GCS and Azure), errors translated.
+
+Credentials come the standard way for each store (`AWS_*`, `GOOGLE_*`, `AZURE_*` env vars,
+instance metadata), including `AWS_ENDPOINT_URL` and `AWS_ALLOW_HTTP=true` for
+S3-compatible stores; an explicit `endpoint_url` overrides. obstore's own exceptions carry
+multi-line debug dumps; `SourceError` keeps one line: the operation, the key, and the
+store's error code (`NoSuchBucket`, `InvalidAccessKeyId`, ...).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import obstore
+from obstore.exceptions import AlreadyExistsError, BaseError, NotFoundError, PreconditionError
+from obstore.store import from_url
+
+from ..errors import ConfigError, ObjectChanged, PublishError, SourceError
+
+_CODE = re.compile(r"<Code>([^<]+)</Code>")
+_STATUS = re.compile(r"status code: (\d{3} [^:]*)")
+
+
+@dataclass(frozen=True)
+class Object:
+    size: int
+    etag: str | None
+    modified: float = 0.0
+    """Last-Modified, as a Unix time."""
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc)
+    if code := _CODE.search(text):
+        return code.group(1)
+    if status := _STATUS.search(text):
+        return status.group(1).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+class Store:
+    """One prefix of one bucket; keys are relative to `url`."""
+
+    def __init__(self, url: str, *, endpoint_url: str | None = None, timeout: float = 30.0) -> None:
+        self.url = url.rstrip("/")
+        options: dict[str, Any] = {"timeout": f"{timeout:g}s", "connect_timeout": "5s"}
+        config: dict[str, Any] = {}
+        if endpoint_url:
+            config["base_url" if url.startswith("gs://") else "endpoint"] = endpoint_url
+        # Passing client options replaces the ones obstore reads from the env: keep AWS_ALLOW_HTTP.
+        options["allow_http"] = (endpoint_url or "").startswith("http://") or os.environ.get(
+            "AWS_ALLOW_HTTP", ""
+        ).lower() in ("1", "true")
+        try:
+            self._store = from_url(  # type: ignore[call-overload]
+                self.url, client_options=options, retry_config={"max_retries": 2}, **config
+            )
+        except (BaseError, ValueError) as exc:
+            raise ConfigError(f"source.path {url!r}: {_one_line(exc)}") from exc
+
+    def _fail(self, what: str, key: str, exc: BaseException) -> SourceError:
+        where = f"{self.url}/{key}" if key else self.url
+        if isinstance(exc, PreconditionError):
+            return ObjectChanged(f"{what} {where}: changed while being read")
+        return SourceError(f"{what} {where}: {_one_line(exc)}")
+
+    def list(self) -> dict[str, Object]:
+        """Every object under the prefix: key → size and ETag."""
+        try:
+            return {
+                meta["path"]: Object(meta["size"], meta["e_tag"], meta["last_modified"].timestamp())
+                for batch in obstore.list(self._store)
+                for meta in batch
+            }
+        except (BaseError, OSError) as exc:
+            raise self._fail("LIST", "", exc) from exc
+
+    def get(self, key: str) -> tuple[bytes, str | None]:
+        """A whole (small) object and its ETag."""
+        try:
+            result = obstore.get(self._store, key)
+            return bytes(result.bytes()), result.meta["e_tag"]
+        except (BaseError, OSError) as exc:
+            raise self._fail("GET", key, exc) from exc
+
+    def get_range(self, key: str, start: int, end: int, etag: str | None) -> memoryview:
+        """Bytes [start, end) of the object, only if it still has `etag`."""
+        options: dict[str, Any] = {"range": (start, end)}
+        if etag:
+            options["if_match"] = etag
+        try:
+            return memoryview(obstore.get(self._store, key, options=options).bytes())  # type: ignore[arg-type]
+        except (BaseError, OSError) as exc:
+            raise self._fail("GET", key, exc) from exc
+
+    def exists(self, key: str) -> bool:
+        try:
+            obstore.head(self._store, key)
+        except (NotFoundError, FileNotFoundError):  # obstore raises the builtin for a 404
+            return False
+        except (BaseError, OSError) as exc:
+            raise self._fail("HEAD", key, exc) from exc
+        return True
+
+    def put(self, key: str, data: bytes | Path, *, create_only: bool = False) -> None:
+        """Upload one object; `create_only` sends `If-None-Match: *` (never overwrite)."""
+        try:
+            obstore.put(self._store, key, data, mode="create" if create_only else "overwrite")
+        except AlreadyExistsError as exc:
+            raise PublishError(f"{self.url}/{key} already exists; versions are never overwritten") from exc
+        except (BaseError, OSError) as exc:
+            raise self._fail("PUT", key, exc) from exc

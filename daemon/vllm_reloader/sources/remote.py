@@ -1,0 +1,331 @@
+"""An object-store prefix as a checkpoint source: list, judge, download into the local root.
+
+An object store can only be polled. Each poll LISTs the prefix once and GETs a
+checkpoint's completing object (our manifest, an HF index, a marker) only when its ETag
+changed. Each checkpoint's objects are then judged by the same `completeness.describe` the
+local gate uses, through a `BucketListing` (shard headers by two small ranged GETs, once
+per ETag): pending (not all uploaded yet, or short), rejected (an unsafe path, a shard
+longer than listed, bytes that fail their digest while downloading), or ready, which here
+means: download the newest such checkpoint newer than the one serving. It lands in the
+checkpoint root, where the local watcher and gate take over as for any local writer.
+
+A listed object is whole (a multipart upload is invisible until it completes), so a
+manifest or index that is not JSON gets no grace: it is rejected at once.
+
+This runs on its own thread, because a download takes minutes; rejections, which the
+state must keep, and finished downloads go to the main loop's inbox like any other event.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from .. import log
+from ..checkpoint import completeness, order
+from ..checkpoint.completeness import Entry, Incomplete, Listed
+from ..checkpoint.files import SINGLE_NAME, size_from_header
+from ..checkpoint.manifest import Manifest, path_problem
+from ..config import Config
+from ..errors import Cancelled, DownloadError, SourceError
+from . import local
+from .download import Fetched, Plan, fetch
+from .objstore import Object, Store
+
+
+@dataclass(frozen=True)
+class Downloaded:
+    """A checkpoint was placed in the checkpoint root: gate it now."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """Judged bad before or while downloading; the state keeps it like a gate rejection."""
+
+    name: str
+    version: str
+    reason: str
+    fingerprint: str
+    check: str
+
+
+SourceEvent = Downloaded | Rejected
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A checkpoint's completing object as last fetched (never fetched: a single
+    `model.safetensors`, whose bytes are the weights), and how it orders now."""
+
+    signal: str
+    etag: str | None
+    data: bytes
+    candidate: order.Candidate
+
+    @property
+    def fingerprint(self) -> str:
+        return self.candidate.fingerprint
+
+
+class BucketListing:
+    """One checkpoint's objects, as `completeness.describe` reads a checkpoint."""
+
+    def __init__(
+        self,
+        objects: Mapping[str, Object],
+        completing: Mapping[str, bytes],
+        header_size: Callable[[str, Object], int | None],
+    ) -> None:
+        self.objects, self.completing, self.header_size = objects, completing, header_size
+
+    def top(self) -> Mapping[str, Entry]:
+        return {k: Entry(o.size, o.modified) for k, o in self.objects.items() if "/" not in k}
+
+    def entry(self, path: str) -> Entry | None:
+        found = self.objects.get(path)
+        return None if found is None else Entry(found.size, found.modified)
+
+    def whole(self, name: str) -> bytes:
+        return self.completing[name]
+
+    def shard_size(self, name: str) -> int | None:
+        return self.header_size(name, self.objects[name])
+
+    def last_change(self) -> float:
+        return max((o.modified for k, o in self.objects.items() if "/" not in k), default=0.0)
+
+
+def judge(listed: Listed, listing: BucketListing) -> Incomplete | None:
+    """pending / rejected from the manifest and the listing alone; None: download it."""
+    if problem := path_problem(listed.manifest):
+        return Incomplete("rejected", problem, listed.fingerprint, "paths")
+    found = completeness.check_files(listing, listed.manifest)
+    return None if found is None else replace(found, fingerprint=listed.fingerprint)
+
+
+class RemoteSource:
+    """Polls `[source] path` and downloads into `config.checkpoint_root`."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        serving: Callable[[], order.OrderKey | None],
+        rejected: Callable[[], Mapping[str, str]],
+        post: Callable[[SourceEvent], None],
+        store: Store | None = None,
+    ) -> None:
+        self.config, self.serving, self.rejected, self.post = config, serving, rejected, post
+        self.store = store or Store(config.source.path, endpoint_url=config.source.endpoint_url)
+        self.log = log.get()
+        self.stop = threading.Event()
+        self.seen: dict[str, Seen] = {}
+        self.pending: dict[str, str] = {}
+        self.rejected_here: dict[str, str] = {}
+        # A listed object is whole: no grace for a manifest or index that is not JSON.
+        convention = completeness.Convention(
+            mode=config.source.completeness,
+            markers=config.source.markers,
+            settle_seconds=config.source.settle_seconds,
+            manifest_grace=0.0,
+        )
+        self.convention = convention
+        self.header_sizes: dict[tuple[str, str | None], int] = {}
+        self.problems: dict[str, str] = {}
+        """What is failing now, by kind ("source", "download"): each is logged once, not per poll."""
+        self._thread = threading.Thread(target=self._run, name="remote-source", daemon=True)
+
+    @property
+    def staging_root(self) -> Path:
+        return self.config.cache_dir / "staging"
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                self.poll()
+                self.stop.wait(self.config.source.interval)
+        except Exception:
+            # A bug, not a store failure: say so; the watchdog pings stop and systemd restarts us.
+            self.log.exception("source.crashed", source=self.config.source.path)
+            raise
+
+    def _report(self, kind: str, reason: str, **fields: Any) -> None:
+        if self.problems.get(kind) != reason:
+            self.problems[kind] = reason
+            self.log.error(f"{kind}.failed", source=self.config.source.path, reason=reason, **fields)
+
+    def _clear(self, kind: str) -> None:
+        if self.problems.pop(kind, None) is not None:
+            self.log.info(f"{kind}.recovered", source=self.config.source.path)
+
+    def poll(self) -> None:
+        """One round: LIST, refresh changed completing objects, judge, download the newest ready one."""
+        try:
+            listing = self.store.list()
+        except SourceError as exc:
+            self._report("source", str(exc), retry_in_s=self.config.source.interval)
+            return
+        by_name: dict[str, dict[str, Object]] = {}
+        for key, found in listing.items():
+            name, _, rest = key.partition("/")
+            if rest and not local.is_ignored(name, self.config.source.ignore):
+                by_name.setdefault(name, {})[rest] = found
+        try:
+            self._refresh(by_name)
+        except SourceError as exc:
+            self._report("source", str(exc), retry_in_s=self.config.source.interval)
+            return
+        self._clear("source")
+        placed = local.list_candidates(self.config.checkpoint_root, ())
+        self._clean_staging(set(self.seen) - placed)
+        candidates = {name: seen.candidate for name, seen in self.seen.items() if name not in placed}
+        rejected = {**self.rejected(), **self.rejected_here}
+        waiting = {}
+        for candidate in order.to_try(candidates, serving=self.serving(), rejected=rejected):
+            name = candidate.name
+            seen = self.seen[name]
+            bucket = self._listing(name, by_name[name], seen.signal, seen.data)
+            try:
+                listed = completeness.describe(bucket, self.convention, time.time())
+            except SourceError as exc:
+                self._report("source", str(exc), retry_in_s=self.config.source.interval)
+                return
+            verdict = listed if isinstance(listed, Incomplete) else judge(listed, bucket)
+            if verdict is None:
+                assert isinstance(listed, Listed)
+                self._download(name, listed, by_name[name])
+                break
+            if verdict.status == "pending":
+                waiting[name] = verdict.reason
+                if self.pending.get(name) != verdict.reason:
+                    self.log.info("checkpoint.pending", name=name, reason=verdict.reason, remote=True)
+            else:
+                manifest = None if isinstance(listed, Incomplete) else listed.manifest
+                self._reject(name, manifest, verdict)
+        self.pending = waiting
+
+    def _listing(self, name: str, objects: Mapping[str, Object], signal: str, data: bytes) -> BucketListing:
+        completing = {} if signal == SINGLE_NAME else {signal: data}
+
+        def header_size(shard: str, listed: Object) -> int | None:
+            """Two small ranged GETs per shard, once per ETag."""
+            key = (f"{name}/{shard}", listed.etag)
+            if key not in self.header_sizes:
+
+                def read(start: int, end: int) -> bytes:
+                    return bytes(self.store.get_range(key[0], start, end, listed.etag))
+
+                size = size_from_header(shard, read, listed.size)
+                if size is None:
+                    return None
+                self.header_sizes[key] = size
+            return self.header_sizes[key]
+
+        return BucketListing(objects, completing, header_size)
+
+    def _refresh(self, by_name: Mapping[str, Mapping[str, Object]]) -> None:
+        """GET each completing object whose ETag changed (a single model.safetensors: never),
+        then work out how each checkpoint orders."""
+        for name in set(self.seen) - set(by_name):
+            del self.seen[name]
+        for name, objects in by_name.items():
+            signal = completeness.signal_name([k for k in objects if "/" not in k], self.convention)
+            if signal is None:
+                self.seen.pop(name, None)
+                continue
+            listed, known = objects[signal], self.seen.get(name)
+            if known is not None and known.signal == signal and known.etag == listed.etag is not None:
+                data, etag = known.data, known.etag
+            elif signal == SINGLE_NAME:
+                data, etag = b"", listed.etag
+            else:
+                data, etag = self.store.get(f"{name}/{signal}")
+            if known is None:
+                self.log.info("checkpoint.seen", name=name, path=f"{self.config.source.path}/{name}")
+            listing = self._listing(name, objects, signal, data)
+            self.seen[name] = Seen(signal, etag, data, completeness.candidate(name, listing, self.convention))
+
+    def _reject(self, name: str, manifest: Manifest | None, verdict: Incomplete) -> None:
+        fp = verdict.fingerprint or self.seen[name].fingerprint
+        self.rejected_here[name] = fp
+        version = (manifest.version if manifest else None) or name
+        self.post(Rejected(name, version, verdict.reason, fp, verdict.check))
+
+    def _download(self, name: str, listed: Listed, objects: Mapping[str, Object]) -> None:
+        seen = self.seen[name]
+        files = Manifest(format_version=1, files=listed.manifest.files + listed.extras)
+        plan = Plan(
+            self.config.source.download_concurrency,
+            self.config.source.part_size,
+            self.config.state.min_free_bytes,
+        )
+        self.log.info("download.started", name=name, bytes=files.total_bytes, files=len(files.files))
+        try:
+            fetched: Fetched = fetch(
+                self.store,
+                name,
+                None if seen.signal == SINGLE_NAME else (seen.signal, seen.data),
+                files,
+                {e.path: objects[e.path] for e in files.files},
+                staging_root=self.staging_root,
+                root=self.config.checkpoint_root,
+                plan=plan,
+                stop=self.stop,
+            )
+        except Cancelled:
+            return
+        except (SourceError, DownloadError) as exc:
+            self._report("download", str(exc), name=name, retry_in_s=self.config.source.interval)
+            return
+        self._clear("download")
+        if fetched.rejected:
+            self._reject(
+                name, listed.manifest, Incomplete("rejected", fetched.rejected, listed.fingerprint, "digests")
+            )
+            return
+        if seen.signal == SINGLE_NAME and fetched.path is not None:
+            _backdate(fetched.path, max(o.modified for o in objects.values()))
+        self.log.info(
+            "download.finished",
+            name=name,
+            bytes=fetched.fetched_bytes,
+            reused_bytes=fetched.reused_bytes,
+            seconds=round(fetched.seconds, 3),
+            mb_per_s=round(fetched.fetched_bytes / fetched.seconds / 1e6, 1) if fetched.seconds else None,
+        )
+        self.post(Downloaded(name))
+
+    def _clean_staging(self, keep: set[str]) -> None:
+        """Partial downloads of checkpoints that are gone from the store, or already placed."""
+        try:
+            leftovers = [p for p in self.staging_root.iterdir() if p.name not in keep]
+        except FileNotFoundError:
+            return
+        for path in leftovers:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _backdate(directory: Path, when: float) -> None:
+    """A downloaded single-file checkpoint keeps the store's quiet time, or the local gate
+    would wait `settle_seconds` a second time."""
+    for path in (*directory.iterdir(), directory):
+        os.utime(path, (when, when))

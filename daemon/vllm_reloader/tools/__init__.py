@@ -1,0 +1,1 @@
+"""Programs around the daemon: the producer side (`publish`) and the demo."""

@@ -1,0 +1,146 @@
+"""The producer side: place a checkpoint into a root so that it appears whole or not at all.
+
+Into an object store (`publish_remote`): every file is uploaded first, the manifest last
+with a conditional create (`If-None-Match: *`), so a version is never overwritten and the
+daemon, which only looks at manifests, never sees a checkpoint before its files.
+
+Into a local root (`publish`): files go to `ROOT/.incoming-NAME/` (ignored by the daemon),
+each fsynced; the manifest is written last and fsynced; then one rename makes `ROOT/NAME`
+appear, and ROOT is fsynced so the rename survives a crash. A failure removes the incoming directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import blake3
+
+from ..checkpoint.manifest import MANIFEST_NAME, Manifest, ManifestFile, dumps
+from ..durable import fsync_dir, write_synced
+from ..errors import PublishError
+
+COPY_CHUNK = 8 << 20
+
+
+def default_name(src: Path, step: int | None) -> str:
+    return f"step-{step}" if step is not None else src.resolve().name
+
+
+def _source_files(src: Path) -> list[Path]:
+    files = sorted(
+        p
+        for p in src.rglob("*")
+        if p.is_file()
+        and p.relative_to(src).as_posix() != MANIFEST_NAME
+        and not any(part.startswith(".") for part in p.relative_to(src).parts)
+    )
+    if not files:
+        raise PublishError(f"{src}: no files to publish")
+    return files
+
+
+def _hash_and_sync(path: Path) -> str:
+    hasher = blake3.blake3()
+    with path.open("rb") as f:
+        while chunk := f.read(COPY_CHUNK):
+            hasher.update(chunk)
+        os.fsync(f.fileno())
+    return str(hasher.hexdigest())
+
+
+def _copy_and_hash(src: Path, dst: Path) -> str:
+    """Copy one file, fsync it, and return its blake3 from the same pass over the bytes."""
+    hasher = blake3.blake3()
+    with src.open("rb") as fin, dst.open("wb") as fout:
+        while chunk := fin.read(COPY_CHUNK):
+            hasher.update(chunk)
+            fout.write(chunk)
+        fout.flush()
+        os.fsync(fout.fileno())
+    return str(hasher.hexdigest())
+
+
+def _place(src: Path, dst: Path, *, move: bool) -> tuple[str, bool]:
+    """Put one file at dst; returns (blake3, whether it was renamed rather than copied)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if move:
+        try:
+            os.rename(src, dst)
+        except OSError:
+            pass  # another filesystem: copy now, delete the source once published
+        else:
+            return _hash_and_sync(dst), True
+    return _copy_and_hash(src, dst), False
+
+
+def publish_remote(
+    src: Path, url: str, *, name: str | None = None, step: int | None = None, endpoint_url: str | None = None
+) -> str:
+    from ..sources.objstore import Store  # the local publish needs no object-store client
+
+    if not src.is_dir():
+        raise PublishError(f"{src}: not a directory")
+    name = _checked_name(name or default_name(src, step))
+    store = Store(url, endpoint_url=endpoint_url)
+    if store.exists(f"{name}/{MANIFEST_NAME}"):
+        raise PublishError(f"{store.url}/{name} already exists; versions are never overwritten")
+    entries = []
+    for path in _source_files(src):
+        relative = path.relative_to(src).as_posix()
+        entries.append(ManifestFile(path=relative, size=path.stat().st_size, blake3=_hash_and_sync(path)))
+        store.put(f"{name}/{relative}", path)
+    manifest = Manifest(format_version=1, version=name, step=step, files=tuple(entries))
+    store.put(f"{name}/{MANIFEST_NAME}", dumps(manifest), create_only=True)
+    return f"{store.url}/{name}"
+
+
+def _checked_name(name: str) -> str:
+    if name.startswith(".") or "/" in name or name in ("", ".."):
+        raise PublishError(f"{name!r}: not a valid version name")
+    return name
+
+
+def publish(
+    src: Path, root: Path, *, name: str | None = None, step: int | None = None, move: bool = False
+) -> Path:
+    if not src.is_dir():
+        raise PublishError(f"{src}: not a directory")
+    name = _checked_name(name or default_name(src, step))
+    final = root / name
+    if final.exists():
+        raise PublishError(f"{final} already exists; versions are never overwritten")
+    files = _source_files(src)
+    root.mkdir(parents=True, exist_ok=True)
+    incoming = root / f".incoming-{name}"
+    if incoming.exists():
+        raise PublishError(f"{incoming} exists: another publish of {name} is running or crashed")
+    entries: list[ManifestFile] = []
+    renamed_files: list[Path] = []
+    copied_files: list[Path] = []
+    try:
+        incoming.mkdir()
+        for path in files:
+            relative = path.relative_to(src).as_posix()
+            size = path.stat().st_size
+            digest, renamed = _place(path, incoming / relative, move=move)
+            (renamed_files if renamed else copied_files).append(path)
+            entries.append(ManifestFile(path=relative, size=size, blake3=digest))
+        manifest = Manifest(format_version=1, version=name, step=step, files=tuple(entries))
+        write_synced(incoming / MANIFEST_NAME, dumps(manifest))
+        for directory in {(incoming / e.path).parent for e in entries}:
+            fsync_dir(directory)
+        os.rename(incoming, final)
+    except OSError as exc:
+        for path in renamed_files:  # --move must not lose the trainer's files
+            os.rename(incoming / path.relative_to(src), path)
+        shutil.rmtree(incoming, ignore_errors=True)
+        raise PublishError(f"publishing {name}: {exc.strerror or exc}") from exc
+    try:
+        fsync_dir(root)
+        for path in copied_files if move else ():
+            path.unlink()
+    except OSError as exc:
+        raise PublishError(f"published {final}, but then: {exc.strerror or exc}") from exc
+    return final

@@ -1,0 +1,77 @@
+"""The NaN/Inf scan, on real safetensors files of every float dtype it knows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from tests.support.checkpoints import MakeCheckpoint, write_manifest
+from vllm_reloader.checkpoint import finite, gate
+
+
+def bf16(values: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (numpy has no bf16): the top half of each float32."""
+    return (values.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def as_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "BF16":
+        return bf16(values)
+    with np.errstate(over="ignore"):  # F16 of a large normal sample: Inf where it overflows
+        return values.astype({"F32": np.float32, "F16": np.float16, "F64": np.float64}[dtype])
+
+
+def write_raw(path, dtype: str, raw: np.ndarray) -> None:
+    """A safetensors file whose single tensor has `dtype` and these bytes."""
+    import json
+    import struct
+
+    data = raw.tobytes()
+    header = json.dumps({"t": {"dtype": dtype, "shape": [raw.size], "data_offsets": [0, len(data)]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("dtype", ["F32", "F16", "F64", "BF16"])
+def test_finite_scan_finds_one_non_finite_value_anywhere(tmp_path, dtype, bad):
+    values = np.random.default_rng(0).standard_normal(100_000) * 100
+    values[77_777] = bad
+    write_raw(tmp_path / "x.safetensors", dtype, as_dtype(values, dtype))
+    assert finite.first_non_finite(tmp_path / "x.safetensors") == "t"
+
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "F64", "BF16"])
+def test_finite_scan_passes_large_but_finite_values(tmp_path, dtype):
+    big = {"F32": 3.0e38, "F16": 65000.0, "F64": 1.0e308, "BF16": 3.0e38}[dtype]
+    values = np.array([big, -big, 0.0, -0.0, 1e-30, 1.0] * 1000)
+    write_raw(tmp_path / "x.safetensors", dtype, as_dtype(values, dtype))
+    assert finite.first_non_finite(tmp_path / "x.safetensors") is None
+
+
+def test_finite_scan_ignores_integer_tensors(tmp_path):
+    save_file({"ids": np.full(1000, -1, dtype=np.int32)}, str(tmp_path / "x.safetensors"))
+    assert finite.first_non_finite(tmp_path / "x.safetensors") is None
+
+
+def test_finite_scan_crosses_chunk_boundaries(tmp_path, monkeypatch):
+    monkeypatch.setattr(finite, "CHUNK", 4096)
+    values = np.zeros(10_000, np.float32)
+    values[-1] = np.nan
+    save_file({"w": values}, str(tmp_path / "x.safetensors"))
+    assert finite.first_non_finite(tmp_path / "x.safetensors") == "w"
+
+
+def test_gate_rejects_a_checkpoint_with_nan_weights(make_checkpoint: MakeCheckpoint, tmp_path):
+    directory = make_checkpoint("step-2", step=2)
+    path = directory / "model.safetensors"
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(path))
+    tensors["lm_head.weight"][3, 4] = np.nan
+    save_file(tensors, str(path))
+    write_manifest(directory, step=2)
+    verdict = gate.check(directory, serving=None)
+    assert verdict.status == "rejected" and verdict.details["check"] == "finite"
+    assert "lm_head.weight" in verdict.reason
+    assert gate.check(directory, serving=None, options=gate.GateOptions(check_finite=False)).status == "ready"

@@ -1,0 +1,43 @@
+from vllm_reloader.checkpoint.order import Candidate, natural_key, order_key, to_try
+
+
+def cands(*items: tuple[str, int | None]) -> dict[str, Candidate]:
+    return {name: Candidate(name, step, f"fp-{name}") for name, step in items}
+
+
+def test_policy_orders_names_naturally():
+    names = ["step-10", "step-9", "step-100", "step-1"]
+    assert sorted(names, key=natural_key) == ["step-1", "step-9", "step-10", "step-100"]
+
+
+def test_policy_orders_by_step_before_name():
+    assert order_key("a", 2) > order_key("z", 1)
+    assert order_key("a", 1) > order_key("z", None)
+
+
+def test_policy_tries_only_newer_than_serving_newest_first():
+    candidates = cands(("step-1", 1), ("step-2", 2), ("step-3", 3), ("step-4", 4))
+    chosen = to_try(candidates, serving=order_key("step-2", 2), rejected={})
+    assert [c.name for c in chosen] == ["step-4", "step-3"]
+
+
+def test_policy_never_moves_backwards():
+    candidates = cands(("step-1", 1), ("step-2", 2))
+    assert to_try(candidates, serving=order_key("step-2", 2), rejected={}) == []
+
+
+def test_policy_coalesces_to_newest_when_several_are_ready():
+    candidates = cands(*[(f"step-{i}", i) for i in range(1, 11)])
+    assert to_try(candidates, serving=order_key("step-1", 1), rejected={})[0].name == "step-10"
+
+
+def test_policy_skips_rejected_until_manifest_changes():
+    candidates = cands(("step-2", 2), ("step-3", 3))
+    assert [c.name for c in to_try(candidates, serving=None, rejected={"step-3": "fp-step-3"})] == ["step-2"]
+    changed = {**candidates, "step-3": Candidate("step-3", 3, "new-fingerprint")}
+    assert to_try(changed, serving=None, rejected={"step-3": "fp-step-3"})[0].name == "step-3"
+
+
+def test_policy_treats_everything_as_newer_than_an_outside_startup_model():
+    candidates = cands(("a", None), ("b", 5))
+    assert [c.name for c in to_try(candidates, serving=None, rejected={})] == ["b", "a"]

@@ -1,0 +1,40 @@
+"""The canary's judgement (pure), and the probe against the scripted engine."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+
+from tests.support.fake_engine import FakeEngine
+from vllm_reloader.config import CanaryConfig
+from vllm_reloader.engine import canary
+
+
+def test_canary_passes_finite_logprobs():
+    assert canary.judge([[-0.1, -2.0], [-0.5]], None) is None
+
+
+def test_canary_fails_on_nan_inf_or_missing_logprobs():
+    assert "not finite" in (canary.judge([[-0.1, math.nan]], None) or "")
+    assert "not finite" in (canary.judge([[-math.inf]], None) or "")
+    assert "not finite" in (canary.judge([[None]], None) or "")
+    assert "no tokens" in (canary.judge([[]], None) or "")
+
+
+def test_canary_min_mean_logprob_is_optional():
+    assert canary.judge([[-9.0, -11.0]], None) is None
+    assert "below min_mean_logprob" in (canary.judge([[-9.0, -11.0]], -8.0) or "")
+
+
+def test_canary_probe_fails_on_an_engine_error_or_garbage_weights():
+    engine = FakeEngine()
+    client = engine.client()
+    config = CanaryConfig(prompts=("a", "b"))
+    assert canary.probe(client, config) is None
+    assert engine.calls.count("/v1/completions") == 2
+    engine.garbage.add(engine.loaded)
+    assert "not finite" in (canary.probe(client, config) or "")
+    engine.fail["/v1/completions"] = lambda: httpx.Response(500, json={"error": {"message": "worker died"}})
+    reason = canary.probe(client, config) or ""
+    assert reason.startswith("prompt 0: /v1/completions: HTTP 500") and "worker died" in reason

@@ -1,0 +1,169 @@
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.fake_engine import FakeEngine, error, unreachable
+from vllm_reloader.config import EngineConfig
+from vllm_reloader.engine.client import EXTENSION_METHOD, RELOADING_PREFIX, EngineClient, ServerConfig
+from vllm_reloader.engine.swap import Target, hot_swap
+from vllm_reloader.errors import EngineCallFailed, EngineUnavailable, ReloadFailed
+
+NEW = Target("step-2", "/root/step-2")
+OLD = Target("step-1", "/root/step-1")
+
+
+def swap(engine: FakeEngine, fallback: Target | None = OLD) -> tuple[dict[str, Any], list[str]]:
+    failures: list[str] = []
+    timings = hot_swap(
+        engine.client(), NEW, fallback=fallback, on_resume_failed=lambda e: failures.append(str(e))
+    )
+    return timings, failures
+
+
+def test_engine_swap_runs_the_sequence_in_order():
+    engine = FakeEngine()
+    timings, failures = swap(engine)
+    assert engine.calls == [
+        "/pause",
+        "/update_weight_version",
+        "reload:/root/step-2",
+        "/reset_prefix_cache",
+        "/update_weight_version",
+        "/resume",
+    ]
+    assert engine.version == "step-2" and not engine.paused and not failures
+    assert set(timings) == {"pause_ms", "reload_ms", "reset_ms", "resume_ms"}
+
+
+def test_engine_swap_restores_last_good_and_resumes_when_reload_fails():
+    engine = FakeEngine()
+    engine.fail["reload:/root/step-2"] = error(500, "incomplete metadata")
+    with pytest.raises(ReloadFailed) as failed:
+        swap(engine)
+    assert failed.value.restored and failed.value.engine_up
+    assert "incomplete metadata" in str(failed.value)
+    assert engine.loaded == "/root/step-1"
+    assert engine.version == "step-1"
+    assert engine.calls[-1] == "/resume" and not engine.paused
+
+
+def test_engine_swap_reports_unrestored_weights_when_restore_fails_too():
+    engine = FakeEngine()
+    engine.fail["reload:/root/step-2"] = error()
+    engine.fail["reload:/root/step-1"] = error()
+    with pytest.raises(ReloadFailed) as failed:
+        swap(engine)
+    assert not failed.value.restored
+    assert engine.version == RELOADING_PREFIX + "step-2"  # a restarted daemon will know
+    assert not engine.paused
+
+
+def test_engine_swap_resumes_when_version_update_fails():
+    engine = FakeEngine()
+    engine.fail["/reset_prefix_cache"] = error(500)
+    with pytest.raises(EngineCallFailed):
+        swap(engine)
+    assert not engine.paused
+
+
+def test_engine_swap_reports_resume_failure_instead_of_hiding_it():
+    engine = FakeEngine()
+    engine.fail["/resume"] = error(500, "stuck")
+    _, failures = swap(engine)
+    assert failures and "stuck" in failures[0]
+
+
+def test_engine_unreachable_is_translated():
+    engine = FakeEngine()
+    engine.fail["/weight_info"] = unreachable()
+    with pytest.raises(EngineUnavailable) as failed:
+        engine.client().weight_version()
+    assert failed.value.endpoint == "/weight_info"
+    assert isinstance(failed.value.__cause__, httpx.ConnectError)
+
+
+def test_engine_error_status_is_translated_with_message():
+    engine = FakeEngine()
+    engine.fail["/pause"] = error(400, "bad mode")
+    with pytest.raises(EngineCallFailed, match="HTTP 400: bad mode") as failed:
+        engine.client().pause("keep")
+    assert failed.value.status == 400
+
+
+def test_engine_reads_startup_model_and_extension_from_server_info():
+    engine = FakeEngine(startup="/models/a")
+    assert engine.client().server_config() == ServerConfig("/models/a", sleep_mode=False, extension=False)
+    engine.extension = engine.sleep_mode = True
+    assert engine.client().server_config() == ServerConfig("/models/a", sleep_mode=True, extension=True)
+
+
+@pytest.mark.parametrize("extension", [False, True])
+def test_engine_swap_loads_through_the_extension_only_when_told(extension: bool):
+    engine = FakeEngine()
+    engine.extension = extension
+    timings = hot_swap(engine.client(), NEW, fallback=OLD, on_resume_failed=print, extension=extension)
+    assert engine.methods == ([EXTENSION_METHOD] if extension else ["reload_weights"])
+    assert engine.loaded == NEW.path
+    assert timings.get("load") == ({"loader": "extension", "bytes": 42} if extension else None)
+
+
+def test_engine_restores_through_the_extension_when_the_new_load_fails():
+    engine = FakeEngine()
+    engine.extension = True
+    engine.fail[f"reload:{NEW.path}"] = error(500, "shape mismatch")
+    with pytest.raises(ReloadFailed, match="restored") as failed:
+        hot_swap(engine.client(), NEW, fallback=OLD, on_resume_failed=print, extension=True)
+    assert failed.value.restored
+    assert engine.methods == [EXTENSION_METHOD, EXTENSION_METHOD]
+    assert engine.loaded == OLD.path and not engine.paused
+
+
+def test_engine_swap_in_abort_mode_counts_the_requests_it_drops():
+    engine = FakeEngine()
+    timings = hot_swap(engine.client(pause_mode="abort"), NEW, fallback=OLD, on_resume_failed=print)
+    assert timings["aborted_requests"] == 5  # running 3 + waiting 2, read just before /pause
+    assert engine.calls[:2] == ["/metrics", "/pause"]
+    assert "aborted_requests" not in swap(FakeEngine())[0], "keep mode drops nothing"
+
+
+def test_engine_sleep_strategy_frees_the_kv_cache_around_the_reload():
+    engine = FakeEngine()
+    timings = hot_swap(engine.client(), NEW, fallback=OLD, on_resume_failed=print, strategy="sleep")
+    assert engine.calls == [
+        "/pause",
+        "/update_weight_version",
+        "/sleep?level=2&mode=keep",  # keep: /sleep would abort the frozen requests otherwise
+        "/wake_up?tags=weights",
+        "reload:/root/step-2",
+        "/wake_up?tags=kv_cache",
+        "/reset_prefix_cache",
+        "/update_weight_version",
+        "/resume",
+    ]
+    assert engine.asleep == set() and not engine.paused and engine.version == "step-2"
+    assert {"sleep_ms", "wake_ms"} <= set(timings)
+
+
+def test_engine_sleep_strategy_wakes_everything_when_the_reload_fails():
+    engine = FakeEngine()
+    engine.fail["reload:/root/step-2"] = error(500, "shape mismatch")
+    engine.fail["reload:/root/step-1"] = error(500, "and again")
+    with pytest.raises(ReloadFailed):
+        hot_swap(engine.client(), NEW, fallback=OLD, on_resume_failed=print, strategy="sleep")
+    assert engine.calls[-2:] == ["/wake_up?tags=weights,kv_cache", "/resume"]
+    assert engine.asleep == set() and not engine.paused
+
+
+def test_engine_reload_uses_a_connection_of_its_own():
+    """vLLM closes the connection after a failed collective_rpc: the restore must not reuse it."""
+    seen: list[str | None] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("connection"))
+        return httpx.Response(200, json={"results": [None]})
+
+    client = EngineClient(EngineConfig(url="http://engine.test"), transport=httpx.MockTransport(handle))
+    client.reload_weights("/root/step-2")
+    client.reload_weights("/root/step-2", extension=True)
+    assert seen == ["close", "close"]

@@ -1,0 +1,310 @@
+"""The main loop against a real filesystem and watcher, with a scripted engine for faults."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import structlog
+
+from tests.support.checkpoints import hf_index, write_weights
+from tests.support.fake_engine import FakeEngine, error, unreachable
+from vllm_reloader import config, durable
+from vllm_reloader.checkpoint.files import INDEX_NAME
+from vllm_reloader.engine.client import RELOADING_PREFIX
+from vllm_reloader.service import state
+from vllm_reloader.service.daemon import Daemon
+from vllm_reloader.tools.publish import publish
+
+
+class Running:
+    def __init__(self, daemon: Daemon, logs: list[dict]) -> None:
+        self.daemon, self.logs = daemon, logs
+
+    def events(self, event: str, /, **fields: object) -> list[dict]:
+        return [e for e in list(self.logs) if e["event"] == event and fields.items() <= e.items()]
+
+    def wait_for(self, event: str, /, timeout: float = 10.0, **fields: object) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if found := self.events(event, **fields):
+                return found[-1]
+            time.sleep(0.02)
+        raise AssertionError(f"no {event} {fields} in {[e['event'] for e in self.logs]}")
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    (tmp_path / "root").mkdir()
+    return tmp_path / "root"
+
+
+@pytest.fixture
+def start(tmp_path: Path, root: Path) -> Iterator[Callable[..., Running]]:
+    threads: list[tuple[Daemon, threading.Thread]] = []
+
+    def run(
+        engine: FakeEngine,
+        engine_check_interval: float = 5.0,
+        canary: config.CanaryConfig | None = None,
+        **source: object,
+    ) -> Running:
+        cfg = config.Config(
+            source=config.SourceConfig(path=root, pending_recheck_interval=0.05, **source),  # type: ignore[arg-type]
+            engine=config.EngineConfig(
+                url="http://engine.test",
+                retry_initial=0.05,
+                retry_max=0.2,
+                check_interval=engine_check_interval,
+            ),
+            state=config.StateConfig(dir=tmp_path / "state"),
+            canary=canary or config.CanaryConfig(),
+        )
+        daemon = Daemon(cfg, client=engine.client(retry_initial=0.05))
+        thread = threading.Thread(target=daemon.run, daemon=True)
+        threads.append((daemon, thread))
+        thread.start()
+        return Running(daemon, logs)
+
+    with structlog.testing.capture_logs() as logs:
+        yield run
+        for daemon, thread in threads:
+            daemon.request_stop()
+            thread.join(timeout=10)
+            assert not thread.is_alive()
+
+
+def test_daemon_recognises_startup_checkpoint_and_does_not_reload_it(start, root, make_checkpoint):
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    running = start(engine)
+    running.wait_for("engine.reconciled", version="step-1")
+    time.sleep(0.2)
+    assert not [c for c in engine.calls if c.startswith("reload:")]
+    assert not engine.paused
+
+
+def test_daemon_reloads_published_checkpoint(start, root, tmp_path, make_checkpoint):
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    running = start(engine)
+    running.wait_for("engine.reconciled")
+    publish(make_checkpoint("src", root=tmp_path / "staging", seed=2), root, step=2)
+    done = running.wait_for("reload.succeeded", version="step-2")
+    assert done["bytes"] > 0 and "reload_ms" in done
+    assert engine.version == "step-2" and engine.loaded == str(root / "step-2")
+    saved = state.load(tmp_path / "state")
+    assert saved.serving is not None and saved.serving.version == "step-2"
+    assert saved.last_good == saved.serving
+
+
+def test_daemon_restart_with_state_does_not_reload(start, root, tmp_path, make_checkpoint):
+    make_checkpoint("step-1", step=1, root=root)
+    make_checkpoint("step-2", step=2, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    first = start(engine)
+    first.wait_for("reload.succeeded", version="step-2")
+    first.daemon.request_stop()
+    calls = len(engine.calls)
+    second = start(engine)
+    second.wait_for("engine.reconciled", version="step-2")
+    time.sleep(0.2)
+    assert not [c for c in engine.calls[calls:] if c.startswith("reload:")]
+
+
+def test_daemon_rejects_checkpoint_whose_reload_fails_and_rolls_back(start, root, tmp_path, make_checkpoint):
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    engine.fail[f"reload:{root / 'step-2'}"] = error(500, "meta tensors")
+    running = start(engine)
+    running.wait_for("engine.reconciled")
+    make_checkpoint("step-2", step=2, root=root)
+    failed = running.wait_for("reload.failed", version="step-2")
+    assert failed["restored"] is True
+    running.wait_for("checkpoint.rejected", name="step-2")
+    assert engine.version == "step-1" and not engine.paused
+    time.sleep(0.3)
+    assert engine.calls.count(f"reload:{root / 'step-2'}") == 1, "a rejected version is not retried"
+    assert "step-2" in state.load(tmp_path / "state").rejected
+
+
+def test_daemon_waits_for_unreachable_engine_then_loads(start, root, make_checkpoint):
+    make_checkpoint("step-1", step=1, root=root)
+    make_checkpoint("step-2", step=2, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    engine.fail["/weight_info"] = unreachable()
+    running = start(engine)
+    running.wait_for("engine.unreachable")
+    del engine.fail["/weight_info"]
+    running.wait_for("reload.succeeded", version="step-2")
+
+
+def test_daemon_goes_straight_to_newest_of_a_burst(start, root, make_checkpoint):
+    make_checkpoint("step-0", step=0, root=root)
+    engine = FakeEngine(startup=str(root / "step-0"))
+    engine.fail["/weight_info"] = unreachable()
+    running = start(engine)
+    running.wait_for("engine.unreachable")
+    for i in range(1, 11):
+        make_checkpoint(f"step-{i}", step=i, root=root)
+    del engine.fail["/weight_info"]
+    running.wait_for("reload.succeeded", version="step-10")
+    time.sleep(0.2)
+    assert [c for c in engine.calls if c.startswith("reload:")] == [f"reload:{root / 'step-10'}"]
+
+
+def test_daemon_restores_last_good_after_interrupted_reload(start, root, tmp_path, make_checkpoint):
+    make_checkpoint("step-1", step=1, root=root)
+    make_checkpoint("step-2", step=2, root=root)
+    good = state.Loaded(name="step-1", version="step-1", path=str(root / "step-1"), since=0, step=1)
+    state.save(tmp_path / "state", state.State(serving=good, last_good=good))
+    engine = FakeEngine(startup=str(root / "step-1"))
+    engine.version = RELOADING_PREFIX + "step-2"
+    engine.fail[f"reload:{root / 'step-2'}"] = error(500)
+    running = start(engine)
+    running.wait_for("engine.weights_unknown", restoring="step-1")
+    running.wait_for("reload.succeeded", version="step-1")
+    assert engine.loaded == str(root / "step-1")
+
+
+def test_daemon_keeps_serving_when_state_cannot_be_written(
+    start, root, tmp_path, make_checkpoint, monkeypatch
+):
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+
+    def disk_full(*_args, **_kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(durable.tempfile, "mkstemp", disk_full)
+    running = start(engine)
+    running.wait_for("engine.reconciled")
+    make_checkpoint("step-2", step=2, root=root)
+    running.wait_for("reload.succeeded", version="step-2")
+    assert running.wait_for("state.write_failed")["reason"].endswith("No space left on device")
+    assert (
+        running.daemon.reloader.served.serving is not None
+        and running.daemon.reloader.served.serving.version == "step-2"
+    )
+
+
+def test_daemon_finds_checkpoint_by_rescan_when_events_are_lost(start, root, make_checkpoint, monkeypatch):
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    running = start(engine, rescan_interval=0.3)
+    running.wait_for("engine.reconciled")
+    running.daemon.watcher.close()  # as if the inotify queue overflowed: no more events
+    make_checkpoint("step-2", step=2, root=root)
+    running.wait_for("reload.succeeded", version="step-2", timeout=5)
+
+
+def test_daemon_brings_restarted_engine_back_to_current_version(start, root, make_checkpoint):
+    make_checkpoint("step-1", step=1, root=root)
+    make_checkpoint("step-2", step=2, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    running = start(engine, engine_check_interval=0.1)
+    running.wait_for("reload.succeeded", version="step-2")
+    engine.version, engine.loaded = "default", engine.startup  # systemd restarted it
+    running.wait_for("engine.changed", engine_reported="default")
+    deadline = time.monotonic() + 10
+    while len(running.events("reload.succeeded", version="step-2")) < 2:
+        assert time.monotonic() < deadline, "step-2 was not reloaded into the restarted engine"
+        time.sleep(0.05)
+    assert engine.loaded == str(root / "step-2") and engine.version == "step-2"
+
+
+def test_daemon_resumes_engine_left_paused_by_a_killed_daemon(start, root, make_checkpoint):
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    engine.paused = True
+    running = start(engine)
+    running.wait_for("engine.resumed")
+    assert not engine.paused
+
+
+def test_daemon_reloads_a_checkpoint_hf_wrote_without_a_manifest(start, root, tmp_path):
+    write_weights(root / "checkpoint-100")
+    engine = FakeEngine(startup=str(root / "checkpoint-100"))
+    running = start(engine, completeness="hf-index")
+    running.wait_for("engine.reconciled", version="checkpoint-100")
+    target = root / "checkpoint-200"
+    shards = write_weights(target, seed=2, shards=2)  # save_pretrained: shards first...
+    time.sleep(0.2)
+    assert not running.events("reload.started")
+    (target / INDEX_NAME).write_bytes(hf_index(shards))  # ...the index last
+    running.wait_for("reload.succeeded", version="checkpoint-200")
+    assert engine.loaded == str(target)
+
+
+def test_daemon_rolls_back_a_checkpoint_whose_canary_fails(start, root, tmp_path, make_checkpoint):
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    engine.garbage.add(str(root / "step-2"))  # whole, right shapes, NaN answers
+    running = start(engine)
+    running.wait_for("engine.reconciled")
+    make_checkpoint("step-2", step=2, root=root, seed=2)
+    rolled = running.wait_for("reload.rolled_back", version="step-2")
+    assert (
+        rolled["to_version"] == "step-1" and rolled["cause"] == "canary" and "not finite" in rolled["reason"]
+    )
+    rejected = running.wait_for("checkpoint.rejected", name="step-2")
+    assert rejected["check"] == "canary"
+    assert engine.version == "step-1" and engine.loaded == str(root / "step-1") and not engine.paused
+    saved = state.load(tmp_path / "state")
+    assert saved.serving is not None and saved.serving.version == "step-1"
+    assert saved.rejected["step-2"].reason.startswith("canary: ")
+    make_checkpoint("step-3", step=3, root=root, seed=3)
+    running.wait_for("reload.succeeded", version="step-3")
+    assert engine.calls.count(f"reload:{root / 'step-2'}") == 1, "a rejected version is not retried"
+    metrics = running.daemon.reloader.metrics
+    assert metrics.rollbacks.labels(cause="canary")._value.get() == 1
+
+
+def test_daemon_with_canary_off_does_not_probe(start, root, make_checkpoint):
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    running = start(engine, canary=config.CanaryConfig(enabled=False))
+    running.wait_for("engine.reconciled")
+    make_checkpoint("step-2", step=2, root=root)
+    running.wait_for("reload.succeeded", version="step-2")
+    assert "/v1/completions" not in engine.calls
+
+
+@pytest.mark.parametrize("sleep_mode", [True, False])
+@pytest.mark.parametrize("extension", [True, False])
+def test_daemon_picks_strategy_and_loader_from_what_the_engine_was_started_with(
+    start, root, make_checkpoint, sleep_mode, extension
+):
+    """auto strategy sleeps only engines with sleep mode; the worker extension loads only
+    where the engine has it (`/server_info`), else plain `reload_weights`."""
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    engine.sleep_mode, engine.extension = sleep_mode, extension
+    running = start(engine)
+    running.wait_for("engine.reconciled")
+    make_checkpoint("step-2", step=2, root=root)
+    started = running.wait_for("reload.started", version="step-2")
+    assert started["strategy"] == ("sleep" if sleep_mode else "inplace")
+    assert started["loader"] == ("extension" if extension else "builtin")
+    succeeded = running.wait_for("reload.succeeded", version="step-2")
+    sleeps = [c for c in engine.calls if c.startswith(("/sleep", "/wake_up"))]
+    if sleep_mode:
+        assert "/sleep?level=2&mode=keep" in sleeps and engine.asleep == set()
+    else:
+        assert not sleeps
+    assert engine.methods == ["reloader_load_checkpoint" if extension else "reload_weights"]
+    assert succeeded.get("load") == ({"loader": "extension", "bytes": 42} if extension else None)
+
+
+def test_daemon_logs_an_unknown_message_and_keeps_running(start, root, make_checkpoint):
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    running = start(engine)
+    running.wait_for("engine.reconciled")
+    running.daemon.inbox.put(("fs", "step-2"))  # type: ignore[arg-type]  # the old untyped form
+    assert "('fs', 'step-2')" in running.wait_for("inbox.unknown")["message"]
+    make_checkpoint("step-2", step=2, root=root)
+    running.wait_for("reload.succeeded", version="step-2")

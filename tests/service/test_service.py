@@ -1,0 +1,173 @@
+"""The daemon as systemd runs it: a real subprocess, a real NOTIFY_SOCKET, real signals."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from tests.support.fake_engine import FakeEngine, unreachable
+from vllm_reloader import failpoints
+from vllm_reloader.service import state
+
+
+def test_service_ready_status_and_watchdog_over_notify_socket(service):
+    start, _engine, notify, _config, _root = service
+    daemon = start(WATCHDOG_USEC="400000")
+    ready = notify.wait_for("READY=1")
+    assert any(f.startswith("STATUS=serving step-1 since") for f in ready)
+    notify.wait_for("WATCHDOG=1")
+    notify.wait_for("WATCHDOG=1")
+    assert daemon.stop() == 0
+
+
+def test_service_extends_start_timeout_until_engine_answers(service):
+    start, engine, notify, _config, _root = service
+    engine.fail["/weight_info"] = unreachable()
+    start()
+    notify.wait_for("EXTEND_TIMEOUT_USEC=")
+    assert not any("READY=1" in m for m in notify.messages)
+    del engine.fail["/weight_info"]
+    notify.wait_for("READY=1")
+
+
+def test_service_sighup_swaps_valid_config_and_keeps_old_on_invalid(service):
+    start, _engine, notify, config, _root = service
+    daemon = start()
+    notify.wait_for("READY=1")
+    good = config.read_text()
+    config.write_text(good.replace("retry_max = 2.0", "retry_max = 3.0"))
+    daemon.process.send_signal(signal.SIGHUP)
+    reloading = notify.wait_for("RELOADING=1")
+    assert any(f.startswith("MONOTONIC_USEC=") for f in reloading)
+    notify.wait_for("READY=1")
+    daemon.wait_for("config.reloaded")
+
+    config.write_text(good + "[engine2]\n")
+    daemon.process.send_signal(signal.SIGHUP)
+    invalid = daemon.wait_for("config.invalid")
+    assert "engine2: unknown key" in str(invalid["reason"])
+    notify.wait_for("READY=1")
+    assert daemon.process.poll() is None
+    assert daemon.stop() == 0
+
+
+def test_service_sigterm_notifies_stopping_and_exits_zero_with_engine_resumed(service):
+    start, engine, notify, _config, _root = service
+    daemon = start()
+    notify.wait_for("READY=1")
+    daemon.process.send_signal(signal.SIGTERM)
+    notify.wait_for("STOPPING=1")
+    assert daemon.process.wait(timeout=30) == 0
+    assert not engine.paused
+    daemon.stop()
+
+
+def test_service_sigterm_lets_in_flight_reload_finish(service, make_checkpoint):
+    start, engine, notify, _config, root = service
+    slow = threading_event_delay(engine, f"reload:{root / 'step-2'}", seconds=1.0)
+    daemon = start()
+    notify.wait_for("READY=1")
+    make_checkpoint("step-2", step=2, root=root)
+    daemon.wait_for("reload.started", version="step-2")
+    daemon.process.send_signal(signal.SIGTERM)
+    assert daemon.process.wait(timeout=30) == 0
+    assert slow.done, "the reload was allowed to finish"
+    assert engine.version == "step-2" and not engine.paused
+    daemon.stop()
+    daemon.wait_for("reload.succeeded", version="step-2")
+
+
+def test_service_log_priority_prefix_for_journald(service):
+    start, engine, _notify, _config, _root = service
+    engine.fail["/weight_info"] = unreachable()
+    daemon = start(args=("--log-priority-prefix",))
+    daemon.wait_for("engine.unreachable")
+    del engine.fail["/weight_info"]
+    daemon.wait_for("engine.reconciled")
+    assert daemon.stop() == 0
+    prefixes = {line[:3] for line in daemon.raw if line.startswith("<")}
+    assert {"<4>", "<6>"} <= prefixes
+    assert all(line.startswith(("<4>{", "<6>{", "<3>{")) for line in daemon.raw)
+
+
+class threading_event_delay:
+    """Make one fake endpoint slow, and record that it ran to the end."""
+
+    def __init__(self, engine: FakeEngine, key: str, *, seconds: float) -> None:
+        self.done = False
+
+        def slow():
+            time.sleep(seconds)
+            self.done = True
+            engine.loaded = key.removeprefix("reload:")
+            import httpx
+
+            return httpx.Response(200, json={"results": [None]})
+
+        engine.fail[key] = slow
+
+
+def test_service_sigkill_then_restart_does_not_reload_needlessly(service, make_checkpoint):
+    start, engine, notify, _config, root = service
+    first = start()
+    make_checkpoint("step-2", step=2, root=root)
+    first.wait_for("reload.succeeded", version="step-2")
+    first.process.send_signal(signal.SIGKILL)
+    first.stop()
+    reloads = [c for c in engine.calls if c.startswith("reload:")]
+    second = start()
+    second.wait_for("engine.reconciled", version="step-2")
+    notify.wait_for("READY=1")
+    time.sleep(0.5)
+    assert [c for c in engine.calls if c.startswith("reload:")] == reloads
+    assert second.stop() == 0
+
+
+def test_service_sigkill_mid_reload_then_restart_converges(service, make_checkpoint):
+    start, engine, _notify, _config, root = service
+    slow = threading_event_delay(engine, f"reload:{root / 'step-2'}", seconds=1.0)
+    first = start()
+    first.wait_for("engine.reconciled")
+    make_checkpoint("step-2", step=2, root=root)
+    deadline = time.monotonic() + 10
+    while f"reload:{root / 'step-2'}" not in engine.calls:  # paused, weights being written
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    first.process.send_signal(signal.SIGKILL)
+    first.stop()
+    assert engine.paused, "killed after pausing: the engine is left paused"
+    while not slow.done:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert engine.version == "reloading:step-2"
+    second = start()
+    second.wait_for("reload.succeeded", version="step-2")
+    assert engine.version == "step-2" and not engine.paused
+    assert second.stop() == 0
+
+
+@pytest.mark.parametrize("failpoint", failpoints.NAMES)
+def test_service_sigkill_at_each_failpoint_then_restart_converges(
+    service, make_checkpoint, failpoint, tmp_path
+):
+    start, engine, _notify, _config, root = service
+    first = start(VLLM_RELOADER_FAILPOINT=failpoint)
+    first.wait_for("engine.reconciled")
+    make_checkpoint("step-2", step=2, root=root)
+    assert first.process.wait(timeout=20) == -signal.SIGKILL
+    first.stop()
+    assert engine.paused == (failpoint in ("after_pause", "after_reload"))
+    second = start()
+    second.wait_for("engine.reconciled")
+    deadline = time.monotonic() + 20
+    while engine.version != "step-2" or engine.paused:
+        assert time.monotonic() < deadline, (engine.version, engine.paused)
+        time.sleep(0.05)
+    assert engine.loaded == str(root / "step-2")
+    while (saved := state.load(tmp_path / "s")).serving is None or saved.serving.version != "step-2":
+        assert time.monotonic() < deadline, saved
+        time.sleep(0.05)
+    assert second.process.poll() is None
+    assert second.stop() == 0

@@ -1,0 +1,70 @@
+"""The shipped units: they verify with systemd's own tool, and the daemon's scores ≤ 2.0."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+UNITS = Path(__file__).parents[2] / "systemd"
+
+
+@pytest.fixture
+def units(tmp_path: Path) -> Path:
+    """The units with their ExecStart binaries pointed at ones that exist here."""
+    reloader = shutil.which("vllm-reloader") or str(Path(sys.executable).parent / "vllm-reloader")
+    for unit in ("vllm-reloader.service", "vllm.service"):
+        text = (UNITS / unit).read_text()
+        text = text.replace("/opt/vllm-reloader/.venv/bin/vllm-reloader", reloader)
+        text = text.replace("/opt/vllm/.venv/bin/python", sys.executable)
+        (tmp_path / unit).write_text(text)
+    return tmp_path
+
+
+def analyze(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    tool = shutil.which("systemd-analyze")
+    assert tool, "systemd-analyze is missing: .ci/run installs the systemd package"
+    return subprocess.run([tool, *args], capture_output=True, text=True, cwd=cwd, timeout=60)
+
+
+def test_systemd_units_verify(units: Path):
+    result = analyze("verify", "--man=no", "vllm-reloader.service", "vllm.service", cwd=units)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip() == "", result.stderr
+
+
+def test_systemd_reloader_unit_exposure_is_at_most_2(units: Path):
+    result = analyze("security", "--offline=true", "--no-pager", "vllm-reloader.service", cwd=units)
+    match = re.search(r"Overall exposure level for vllm-reloader\.service: ([0-9.]+)", result.stdout)
+    assert match, result.stdout[-2000:] + result.stderr
+    assert float(match.group(1)) <= 2.0
+
+
+def test_systemd_reloader_unit_has_what_operators_rely_on():
+    text = (UNITS / "vllm-reloader.service").read_text()
+    for line in (
+        "Type=notify",
+        "ExecReload=/bin/kill -HUP $MAINPID",
+        "Restart=on-failure",
+        "SyslogIdentifier=vllm-reloader",
+        "Environment=PYTHONUNBUFFERED=1",
+        "StateDirectory=vllm-reloader",
+        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6",
+        "SystemCallFilter=@system-service",
+        "PartOf=vllm.service",
+    ):
+        assert line in text.splitlines(), line
+    assert re.search(r"^WatchdogSec=\d+", text, re.M)
+    assert "--log-priority-prefix" in text
+    assert not re.search(r"^PrivateNetwork=", text, re.M), "it must reach the engine"
+
+
+def test_systemd_engine_unit_binds_dev_endpoints_to_loopback():
+    text = (UNITS / "vllm.service").read_text()
+    assert "Environment=VLLM_SERVER_DEV_MODE=1" in text
+    exec_start = next(line for line in text.splitlines() if line.startswith("ExecStart="))
+    assert "--host 127.0.0.1" in exec_start or "--uds" in exec_start

@@ -1,0 +1,51 @@
+"""The obstore edge: configuration from the env or the config, errors in one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.store_fixtures import Bucket
+from vllm_reloader import config
+from vllm_reloader.errors import ConfigError, SourceError
+from vllm_reloader.sources.objstore import Store
+
+
+def test_objstore_endpoint_url_overrides_the_env(bucket: Bucket, monkeypatch):
+    bucket.put("a/manifest.json", b"{}")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    with pytest.raises(SourceError):
+        Store(bucket.url, timeout=2).list()
+    assert list(Store(bucket.url, endpoint_url=bucket.endpoint).list()) == ["a/manifest.json"]
+
+
+def test_objstore_errors_are_one_line_with_the_store_code(s3_env):
+    with pytest.raises(SourceError) as caught:
+        Store("s3://no-such-bucket-here/x").get("a/manifest.json")
+    message = str(caught.value)
+    assert message.startswith("GET s3://no-such-bucket-here/x/a/manifest.json: ")
+    assert "NoSuchBucket" in message and "\n" not in message
+
+
+def test_objstore_other_stores_are_built_from_their_urls(monkeypatch):
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "account")
+    Store("gs://bucket/prefix")
+    Store("az://container/prefix")
+
+
+def test_objstore_a_url_obstore_cannot_use_is_a_config_error(monkeypatch):
+    monkeypatch.delenv("AZURE_STORAGE_ACCOUNT_NAME", raising=False)
+    with pytest.raises(ConfigError, match=r"source\.path 'az://container/prefix'"):
+        Store("az://container/prefix")
+
+
+def test_config_accepts_object_store_urls_and_refuses_other_schemes(tmp_path):
+    for url in ("s3://b/p", "gs://b/p", "az://c/p"):
+        cfg = config.Config(
+            source=config.SourceConfig(path=url),
+            engine=config.EngineConfig(url="http://127.0.0.1:1"),
+            state=config.StateConfig(dir=tmp_path),
+        )
+        assert cfg.source.remote and cfg.source.interval == 10.0
+        assert cfg.checkpoint_root == tmp_path / "cache" / "checkpoints"
+    with pytest.raises(ConfigError, match=r"source\.path: .*unsupported scheme"):
+        config.parse('[source]\npath = "http://x/y"\n[engine]\nurl = "http://e"\n[state]\ndir = "/s"\n')

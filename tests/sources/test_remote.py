@@ -1,0 +1,462 @@
+"""The object-store source against moto's real S3 wire protocol on 127.0.0.1."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+
+from tests.support.checkpoints import MakeCheckpoint, hf_index, write_manifest, write_weights
+from tests.support.fake_engine import FakeEngine, FakeEngineServer
+from tests.support.store_fixtures import Bucket, new_bucket
+from vllm_reloader import config
+from vllm_reloader.checkpoint import completeness, gate
+from vllm_reloader.checkpoint.completeness import Convention, DirectoryListing, Listed
+from vllm_reloader.checkpoint.files import INDEX_NAME
+from vllm_reloader.checkpoint.manifest import parse
+from vllm_reloader.service.daemon import Daemon
+from vllm_reloader.service.messages import ControlRequest
+from vllm_reloader.sources.objstore import Object, Store
+from vllm_reloader.sources.remote import BucketListing, Downloaded, Rejected, RemoteSource, judge
+
+
+class Harness:
+    def __init__(self, tmp_path: Path, bucket_url: str, **state: Any) -> None:
+        self.cfg = config.Config(
+            source=config.SourceConfig(path=bucket_url, part_size=4096, download_concurrency=4),
+            engine=config.EngineConfig(url="http://127.0.0.1:1"),
+            state=config.StateConfig(dir=tmp_path / "state", **{"min_free_bytes": 0, **state}),
+        )
+        self.posted: list[Downloaded | Rejected] = []
+        self.serving_key = None
+        self.source = RemoteSource(
+            self.cfg, serving=lambda: self.serving_key, rejected=dict, post=self.posted.append
+        )
+
+    @property
+    def root(self) -> Path:
+        return self.cfg.checkpoint_root
+
+    def fetched(self) -> list[str]:
+        return [message.name for message in self.posted if isinstance(message, Downloaded)]
+
+    def rejected(self) -> list[dict[str, Any]]:
+        return [dataclasses.asdict(m) for m in self.posted if isinstance(m, Rejected)]
+
+
+@pytest.fixture
+def checkpoint(make_checkpoint: MakeCheckpoint, tmp_path: Path) -> Path:
+    """Three shards of a few KiB each: several ranged GETs apiece at part_size 4096."""
+    return make_checkpoint("step-5", step=5, root=tmp_path / "src", shards=3)
+
+
+def test_remote_manifest_uploaded_last_is_the_signal(tmp_path, bucket: Bucket, checkpoint: Path):
+    harness = Harness(tmp_path, bucket.url)
+    bucket.upload_dir(checkpoint, "step-5", skip=("manifest.json",))
+    harness.source.poll()
+    assert harness.posted == [] and not harness.root.exists()
+    bucket.put("step-5/manifest.json", (checkpoint / "manifest.json").read_bytes())
+    with structlog.testing.capture_logs() as logs:
+        harness.source.poll()
+    assert harness.fetched() == ["step-5"]
+    placed = harness.root / "step-5"
+    assert gate.check(placed, serving=None).status == "ready"
+    for path in checkpoint.iterdir():
+        assert (placed / path.name).read_bytes() == path.read_bytes()
+    finished = next(e for e in logs if e["event"] == "download.finished")
+    assert finished["bytes"] == sum(
+        p.stat().st_size for p in checkpoint.iterdir() if p.name != "manifest.json"
+    )
+    assert not (harness.cfg.cache_dir / "staging" / "step-5").exists()
+
+
+def test_remote_shard_still_uploading_is_pending_then_loads(tmp_path, bucket: Bucket, checkpoint: Path):
+    harness = Harness(tmp_path, bucket.url)
+    late = sorted(checkpoint.glob("*.safetensors"))[-1].name
+    bucket.upload_dir(checkpoint, "step-5", skip=(late,))  # a writer that sends the manifest early
+    with structlog.testing.capture_logs() as logs:
+        harness.source.poll()
+        harness.source.poll()
+    pending = [e for e in logs if e["event"] == "checkpoint.pending"]
+    assert len(pending) == 1 and late in pending[0]["reason"], "one line per change, not per poll"
+    assert harness.source.pending == {"step-5": pending[0]["reason"]}
+    assert harness.fetched() == []
+    bucket.put(f"step-5/{late}", (checkpoint / late).read_bytes())
+    harness.source.poll()
+    assert harness.fetched() == ["step-5"] and harness.source.pending == {}
+
+
+def test_remote_wrong_digest_is_rejected_and_never_placed(tmp_path, bucket: Bucket, checkpoint: Path):
+    harness = Harness(tmp_path, bucket.url)
+    shard = sorted(checkpoint.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # same size, other bytes: moto stores it without complaint
+    bucket.upload_dir(checkpoint, "step-5", skip=(shard.name, "manifest.json"))
+    bucket.put(f"step-5/{shard.name}", bytes(data))
+    bucket.put("step-5/manifest.json", (checkpoint / "manifest.json").read_bytes())
+    harness.source.poll()
+    (rejection,) = harness.rejected()
+    assert rejection["name"] == "step-5" and rejection["check"] == "digests"
+    assert f"{shard.name}: blake3 mismatch" in rejection["reason"]
+    assert not (harness.root / "step-5").exists()
+    assert not (harness.cfg.cache_dir / "staging" / "step-5").exists()
+    harness.source.poll()
+    assert len(harness.rejected()) == 1, "not downloaded again until the manifest changes"
+
+
+def test_remote_only_newer_than_serving_and_newest_first(tmp_path, bucket: Bucket, make_checkpoint):
+    harness = Harness(tmp_path, bucket.url)
+    for step in (3, 4, 6):
+        bucket.upload_dir(make_checkpoint(f"step-{step}", step=step, root=tmp_path / "src"), f"step-{step}")
+    from vllm_reloader.checkpoint.order import order_key
+
+    harness.serving_key = order_key("step-4", 4)
+    harness.source.poll()
+    harness.source.poll()
+    assert harness.fetched() == ["step-6"], "one download per poll, the newest; never older than serving"
+
+
+def test_remote_wrong_credentials_one_clear_line_and_keeps_polling(
+    tmp_path, bucket: Bucket, checkpoint: Path, s3_auth_enforced
+):
+    harness = Harness(tmp_path, bucket.url)
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(3):
+            harness.source.poll()
+    failed = [e for e in logs if e["event"] == "source.failed"]
+    assert len(failed) == 1, logs
+    assert "InvalidAccessKeyId" in failed[0]["reason"] and "\n" not in failed[0]["reason"]
+    assert failed[0]["reason"].startswith(f"LIST {bucket.url}")
+
+
+def test_remote_recovers_when_credentials_start_working(tmp_path, bucket: Bucket, checkpoint: Path):
+    from moto import settings
+
+    bucket.upload_dir(checkpoint, "step-5")
+    harness = Harness(tmp_path, bucket.url)
+    before = settings.INITIAL_NO_AUTH_ACTION_COUNT
+    settings.INITIAL_NO_AUTH_ACTION_COUNT = 0
+    try:
+        with structlog.testing.capture_logs() as logs:
+            harness.source.poll()
+    finally:
+        settings.INITIAL_NO_AUTH_ACTION_COUNT = before
+    assert [e["event"] for e in logs] == ["source.failed"]
+    with structlog.testing.capture_logs() as logs:
+        harness.source.poll()
+    assert "source.recovered" in [e["event"] for e in logs]
+    assert harness.fetched() == ["step-5"]
+
+
+def test_remote_missing_bucket_is_reported_once_then_picked_up(tmp_path, s3_env, checkpoint: Path):
+    bucket = new_bucket(s3_env, create=False)
+    harness = Harness(tmp_path, bucket.url)
+    with structlog.testing.capture_logs() as logs:
+        harness.source.poll()
+        harness.source.poll()
+    (failed,) = [e for e in logs if e["event"] == "source.failed"]
+    assert "NoSuchBucket" in failed["reason"]
+    bucket.client.create_bucket(Bucket=bucket.name)
+    bucket.upload_dir(checkpoint, "step-5")
+    harness.source.poll()
+    assert harness.fetched() == ["step-5"]
+
+
+def test_remote_unreachable_store_is_one_line(tmp_path, monkeypatch, checkpoint: Path):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    cfg_url = "s3://nowhere/runs"
+    harness = Harness(tmp_path, cfg_url)
+    harness.source.store = Store(cfg_url, endpoint_url="http://127.0.0.1:9", timeout=2)
+    with structlog.testing.capture_logs() as logs:
+        harness.source.poll()
+    (failed,) = [e for e in logs if e["event"] == "source.failed"]
+    assert failed["reason"].startswith("LIST s3://nowhere/runs") and "\n" not in failed["reason"]
+
+
+def test_remote_short_of_disk_space_says_so_and_starts_nothing(tmp_path, bucket: Bucket, checkpoint: Path):
+    bucket.upload_dir(checkpoint, "step-5")
+    harness = Harness(tmp_path, bucket.url, min_free_bytes=1 << 60)
+    with structlog.testing.capture_logs() as logs:
+        harness.source.poll()
+        harness.source.poll()
+    (failed,) = [e for e in logs if e["event"] == "download.failed"]
+    assert failed["reason"].startswith("not enough space in ") and "GB is free" in failed["reason"]
+    assert harness.fetched() == [] and not (harness.root / "step-5").exists()
+
+
+def test_remote_manifest_refetched_only_when_its_etag_changes(tmp_path, bucket: Bucket, checkpoint: Path):
+    harness = Harness(tmp_path, bucket.url)
+    bucket.upload_dir(checkpoint, "step-5", skip=(sorted(checkpoint.glob("*.safetensors"))[0].name,))
+    gets: list[str] = []
+    real_get = harness.source.store.get
+    harness.source.store.get = lambda key: (gets.append(key), real_get(key))[1]  # type: ignore[method-assign]
+    for _ in range(3):
+        harness.source.poll()
+    assert gets == ["step-5/manifest.json"]
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["step"] = 6
+    bucket.put("step-5/manifest.json", json.dumps(manifest).encode())
+    harness.source.poll()
+    assert gets == ["step-5/manifest.json"] * 2
+
+
+def test_judge_rejects_unsafe_paths_and_oversized_objects():
+    def remote(files: list[dict[str, Any]]) -> Listed:
+        data = json.dumps({"format_version": 1, "files": files}).encode()
+        return Listed(parse(data), "fp")
+
+    def listing(objects: dict[str, Object]) -> BucketListing:
+        return BucketListing(objects, {}, lambda _name, _object: None)
+
+    unsafe = judge(remote([{"path": "../x.safetensors", "size": 1}]), listing({}))
+    assert unsafe is not None and unsafe.status == "rejected" and unsafe.check == "paths"
+    big = judge(remote([{"path": "a.safetensors", "size": 1}]), listing({"a.safetensors": Object(2, '"e"')}))
+    assert big is not None and big.status == "rejected" and big.check == "sizes"
+    short = judge(
+        remote([{"path": "a.safetensors", "size": 3}]), listing({"a.safetensors": Object(2, '"e"')})
+    )
+    assert short is not None and short.status == "pending"
+    assert (
+        judge(remote([{"path": "a.safetensors", "size": 2}]), listing({"a.safetensors": Object(2, '"e"')}))
+        is None
+    )
+
+
+def test_remote_ignores_temporary_names_in_the_store(tmp_path, bucket: Bucket, checkpoint: Path):
+    harness = Harness(tmp_path, bucket.url)
+    bucket.upload_dir(checkpoint, "tmp-checkpoint-5")
+    bucket.upload_dir(checkpoint, ".staging-5")
+    harness.source.poll()
+    assert harness.posted == [] and harness.source.seen == {}
+
+
+def test_remote_manifest_that_is_not_json_is_rejected_at_once(tmp_path, bucket: Bucket, checkpoint: Path):
+    harness = Harness(tmp_path, bucket.url)
+    bucket.upload_dir(checkpoint, "step-5", skip=("manifest.json",))
+    bucket.put("step-5/manifest.json", b'{"format_version": 1, "fil')
+    harness.source.poll()
+    (rejection,) = harness.rejected()
+    assert rejection["check"] == "manifest" and "not valid JSON" in rejection["reason"]
+
+
+def test_remote_version_written_by_publish_keeps_its_manifest_bytes(tmp_path, bucket: Bucket, checkpoint):
+    write_manifest(checkpoint, step=5)
+    harness = Harness(tmp_path, bucket.url)
+    bucket.upload_dir(checkpoint, "step-5")
+    harness.source.poll()
+    placed = harness.root / "step-5" / "manifest.json"
+    assert placed.read_bytes() == (checkpoint / "manifest.json").read_bytes(), "same fingerprint locally"
+
+
+# -- the daemon with an object-store source ------------------------------------------------
+
+
+def remote_daemon(
+    tmp_path: Path, bucket: Bucket, engine: FakeEngine, **state: Any
+) -> tuple[Daemon, threading.Thread]:
+    cfg = config.Config(
+        source=config.SourceConfig(path=bucket.url, poll_interval=0.1, pending_recheck_interval=0.05),
+        engine=config.EngineConfig(url="http://engine.test", retry_initial=0.05, retry_max=0.2),
+        state=config.StateConfig(dir=tmp_path / "state", **{"min_free_bytes": 0, **state}),
+    )
+    daemon = Daemon(cfg, client=engine.client(retry_initial=0.05))
+    thread = threading.Thread(target=daemon.run, daemon=True)
+    thread.start()
+    return daemon, thread
+
+
+def wait_for(logs: list[dict], event: str, timeout: float = 15.0, **fields: object) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if found := [e for e in list(logs) if e["event"] == event and fields.items() <= e.items()]:
+            return found[-1]
+        time.sleep(0.02)
+    raise AssertionError(f"no {event} {fields} in {[e['event'] for e in logs]}")
+
+
+def test_daemon_loads_from_the_bucket_and_keeps_only_what_it_may_need(
+    tmp_path, bucket: Bucket, make_checkpoint: MakeCheckpoint
+):
+    from vllm_reloader.tools.publish import publish_remote
+
+    startup = make_checkpoint("startup", root=tmp_path / "models")
+    engine = FakeEngine(startup=str(startup))
+    with structlog.testing.capture_logs() as logs:
+        daemon, thread = remote_daemon(tmp_path, bucket, engine, keep=1)
+        try:
+            wait_for(logs, "engine.reconciled")
+            for step in (2, 3, 4):
+                src = make_checkpoint(f"out-{step}", root=tmp_path / "trainer", seed=step)
+                publish_remote(src, bucket.url, step=step)
+                wait_for(logs, "reload.succeeded", version=f"step-{step}")
+                assert engine.loaded == str(daemon.config.checkpoint_root / f"step-{step}")
+            wait_for(logs, "cache.pruned", name="step-2")
+            assert sorted(p.name for p in daemon.config.checkpoint_root.iterdir()) == ["step-3", "step-4"]
+            bad = make_checkpoint("out-5", root=tmp_path / "trainer", seed=5)
+            write_manifest(bad, step=5, overrides={"version": "step-5"})
+            bucket.upload_dir(bad, "step-5", skip=("manifest.json",))
+            manifest = json.loads((bad / "manifest.json").read_text())
+            manifest["files"][0]["blake3"] = "0" * 64
+            bucket.put("step-5/manifest.json", json.dumps(manifest).encode())
+            rejected = wait_for(logs, "checkpoint.rejected", name="step-5")
+            assert rejected["check"] == "digests"
+            reply: queue.SimpleQueue[dict] = queue.SimpleQueue()
+            daemon.inbox.put(ControlRequest({"command": "status"}, reply))
+            status = reply.get(timeout=5)
+            assert status["serving"]["version"] == "step-4" and "step-5" in status["rejected"]
+            assert status["source"] == {"url": bucket.url, "failing": {}}
+        finally:
+            daemon.request_stop()
+            thread.join(timeout=15)
+    assert not thread.is_alive() and not engine.paused
+    assert not [c for c in engine.calls if "step-5" in c], "a rejected checkpoint never reaches the engine"
+
+
+def test_daemon_subprocess_with_wrong_credentials_logs_once_and_keeps_running(
+    tmp_path, bucket: Bucket, s3_auth_enforced
+):
+    from tests.support.engine_fixtures import DaemonProcess
+
+    engine = FakeEngine(startup=str(tmp_path / "models" / "startup"))
+    server = FakeEngineServer(engine)
+    cfg = tmp_path / "daemon.toml"
+    cfg.write_text(
+        f'[source]\npath = "{bucket.url}"\npoll_interval = 0.1\n'
+        f'[engine]\nurl = "{server.url}"\n[state]\ndir = "{tmp_path / "state"}"\n[log]\nformat = "json"\n'
+    )
+    daemon = DaemonProcess(cfg)
+    try:
+        failed = daemon.wait_for("source.failed", timeout=30)
+        assert "InvalidAccessKeyId" in str(failed["reason"])
+        time.sleep(1.0)  # ~10 more polls
+        assert daemon.process.poll() is None
+        assert len(daemon.events("source.failed")) == 1
+    finally:
+        assert daemon.stop() == 0
+        server.close()
+
+
+# -- foreign writers in the bucket ------------------------------------------------------------
+
+
+def foreign_harness(tmp_path: Path, bucket: Bucket, mode: str, **source: Any) -> Harness:
+    harness = Harness(tmp_path, bucket.url)
+    harness.cfg = harness.cfg.model_copy(
+        update={"source": harness.cfg.source.model_copy(update={"completeness": mode, **source})}
+    )
+    harness.source = RemoteSource(
+        harness.cfg, serving=lambda: None, rejected=dict, post=harness.posted.append
+    )
+    return harness
+
+
+def test_remote_hf_checkpoint_uploaded_shards_then_index(tmp_path, bucket: Bucket):
+    shards = write_weights(tmp_path / "hf" / "checkpoint-300", shards=2)
+    (tmp_path / "hf" / "checkpoint-300" / "optimizer.pt").write_bytes(b"\0" * 5000)
+    harness = foreign_harness(tmp_path, bucket, "hf-index")
+    bucket.upload_dir(tmp_path / "hf" / "checkpoint-300", "checkpoint-300")
+    harness.source.poll()
+    assert harness.posted == [], "no index yet: not a candidate"
+    index = hf_index(shards)
+    bucket.put("checkpoint-300/model.safetensors.index.json", index)
+    harness.source.poll()
+    assert harness.fetched() == ["checkpoint-300"]
+    placed = harness.root / "checkpoint-300"
+    assert sorted(p.name for p in placed.iterdir()) == sorted(
+        [*(s.name for s in shards), "config.json", INDEX_NAME]
+    )
+    options = gate.GateOptions(convention=Convention("hf-index"))
+    assert gate.check(placed, serving=None, options=options).status == "ready"
+    local = completeness.candidate("checkpoint-300", DirectoryListing(placed), Convention("hf-index"))
+    assert local.fingerprint == harness.source.seen["checkpoint-300"].fingerprint
+
+
+def test_remote_hf_shard_with_a_short_object_is_pending(tmp_path, bucket: Bucket):
+    directory = tmp_path / "hf" / "checkpoint-1"
+    shards = write_weights(directory, shards=2)
+    harness = foreign_harness(tmp_path, bucket, "hf-index")
+    bucket.upload_dir(directory, "checkpoint-1", skip=(shards[1].name,))
+    bucket.put(f"checkpoint-1/{shards[1].name}", shards[1].read_bytes()[:-10])
+    bucket.put(f"checkpoint-1/{INDEX_NAME}", hf_index(shards))
+    harness.source.poll()
+    assert "checkpoint-1" in harness.source.pending and harness.fetched() == []
+    bucket.put(f"checkpoint-1/{shards[1].name}", shards[1].read_bytes())
+    harness.source.poll()
+    assert harness.fetched() == ["checkpoint-1"]
+
+
+def test_remote_marker_checkpoint_is_fetched_once_the_marker_is_there(tmp_path, bucket: Bucket):
+    directory = tmp_path / "orbax" / "700"
+    write_weights(directory)
+    harness = foreign_harness(tmp_path, bucket, "marker")
+    bucket.upload_dir(directory, "700")
+    harness.source.poll()
+    assert harness.fetched() == []
+    bucket.put("700/commit_success.txt", b"ok")
+    harness.source.poll()
+    assert harness.fetched() == ["700"]
+    assert (harness.root / "700" / "commit_success.txt").read_bytes() == b"ok"
+
+
+def test_remote_single_safetensors_waits_for_quiet(tmp_path, bucket: Bucket):
+    directory = tmp_path / "hf" / "final"
+    write_weights(directory)
+    bucket.upload_dir(directory, "final")
+    harness = foreign_harness(tmp_path, bucket, "hf-index", settle_seconds=3600.0)
+    harness.source.poll()
+    assert "settle" in harness.source.pending["final"]
+    harness = foreign_harness(tmp_path, bucket, "hf-index", settle_seconds=0.0)
+    harness.source.poll()
+    assert harness.fetched() == ["final"]
+
+
+def test_daemon_with_keep_0_still_loads_what_it_downloaded(tmp_path, bucket: Bucket, make_checkpoint):
+    from vllm_reloader.tools.publish import publish_remote
+
+    engine = FakeEngine(startup=str(make_checkpoint("startup", root=tmp_path / "models")))
+    with structlog.testing.capture_logs() as logs:
+        daemon, thread = remote_daemon(tmp_path, bucket, engine, keep=0)
+        try:
+            wait_for(logs, "engine.reconciled")
+            for step in (2, 3):
+                publish_remote(
+                    make_checkpoint(f"o{step}", root=tmp_path / "t", seed=step), bucket.url, step=step
+                )
+                wait_for(logs, "reload.succeeded", version=f"step-{step}")
+            assert sorted(p.name for p in daemon.config.checkpoint_root.iterdir()) == ["step-3"]
+        finally:
+            daemon.request_stop()
+            thread.join(timeout=15)
+    assert len([e for e in logs if e["event"] == "download.started"]) == 2, "nothing fetched twice"
+
+
+def test_retention_never_deletes_a_downloaded_checkpoint_waiting_to_load(tmp_path, make_checkpoint):
+    from vllm_reloader.service.reloader import Reloader
+    from vllm_reloader.service.state import Loaded
+
+    cfg = config.Config(
+        source=config.SourceConfig(path="s3://bucket/runs"),
+        engine=config.EngineConfig(url="http://engine.test"),
+        state=config.StateConfig(dir=tmp_path / "state", keep=0),
+    )
+    reloader = Reloader(cfg, FakeEngine().client(), lambda _message: None)
+    for step in (1, 2, 3):
+        make_checkpoint(f"step-{step}", step=step, root=cfg.checkpoint_root)
+    for name in ("step-1", "step-2", "step-3"):
+        reloader.changed(name)
+    reloader.catalog.refresh_dirty()
+    serving = Loaded(
+        name="step-2", version="step-2", path=str(cfg.checkpoint_root / "step-2"), since=0, step=2
+    )
+    reloader.set_serving(serving, last_good=serving)
+    reloader.prune_cache()
+    assert sorted(p.name for p in cfg.checkpoint_root.iterdir()) == ["step-2", "step-3"]

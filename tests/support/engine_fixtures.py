@@ -1,0 +1,187 @@
+"""Real peers for the end-to-end tests: a CPU vLLM engine and the daemon, as subprocesses.
+
+One engine per test session (it takes ~40 s to start on 2 cores). If it cannot start, the
+tests that need it fail with the engine's log tail; they never skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import httpx
+import pytest
+
+from vllm_reloader.tools.demo import ENGINE_ENV, engine_command, free_port, stop_process
+
+# vLLM's AMX bfloat16 attention kernel crashes the worker on this CPU (first forward pass,
+# SIGSEGV in cpu_attention_with_kv_cache); float32 takes the AVX-512 path. Checkpoints
+# are bf16 on disk, so the fp32 engine holds exactly the same values either way.
+ENGINE_DTYPE = os.environ.get("VLLM_RELOADER_TEST_DTYPE", "float32")
+ENGINE_START_TIMEOUT = float(os.environ.get("VLLM_RELOADER_ENGINE_TIMEOUT", "400"))
+PROMPTS = ["w1 w2 w3 w4", "w10 w20 w30", "w100 w7 w42 w9 w3"]
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclass
+class Engine:
+    url: str
+    startup: Path
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    log_file: BinaryIO
+    http: httpx.Client = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.http = httpx.Client(base_url=self.url, timeout=60)
+
+    def stop(self) -> None:
+        stop_process(self.process)
+        self.http.close()
+        self.log_file.close()
+
+    def healthy(self) -> bool:
+        try:
+            return self.process.poll() is None and self.http.get("/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def weight_version(self) -> str:
+        return str(self.http.get("/weight_info").json()["weight_version"])
+
+    def is_paused(self) -> bool:
+        return bool(self.http.get("/is_paused").json()["is_paused"])
+
+    def complete(self) -> list[str]:
+        """Greedy completions of the fixed prompts, one request at a time (batch-invariant)."""
+        texts = []
+        for prompt in PROMPTS:
+            response = self.http.post(
+                "/v1/completions",
+                json={"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0},
+            )
+            assert response.status_code == 200, response.text
+            texts.append(response.json()["choices"][0]["text"])
+        return texts
+
+
+def start_engine(model: Path, log_path: Path, port: int | None = None, *, extension: bool = True) -> Engine:
+    """A real CPU vLLM engine, by default with the reloader's worker extension."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        pytest.fail(f"vLLM is not installed in this environment ({exc}); run the README's test command")
+    port = port or free_port()
+    env = {**os.environ, **ENGINE_ENV}
+    command = engine_command(model, port, ENGINE_DTYPE, extension=extension)
+    log = log_path.open("wb")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    engine = Engine(f"http://127.0.0.1:{port}", model, process, log_path, log)
+    deadline = time.monotonic() + ENGINE_START_TIMEOUT
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            engine.stop()
+            pytest.fail(f"vLLM exited with {process.returncode} while starting:\n{_tail(log_path)}")
+        if engine.healthy():
+            return engine
+        time.sleep(0.5)
+    engine.stop()
+    pytest.fail(f"vLLM did not become healthy in {ENGINE_START_TIMEOUT:.0f} s:\n{_tail(log_path)}")
+
+
+class DaemonProcess:
+    """`vllm-reloader run` as a subprocess, its JSON log lines collected as they come."""
+
+    def __init__(self, config_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.lines: list[dict[str, object]] = []
+        self.raw: list[str] = []
+        self._new: queue.SimpleQueue[None] = queue.SimpleQueue()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "vllm_reloader", "run", "--config", str(config_path), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+        )  # fmt: skip
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.raw.append(line)
+            if line.startswith("<") and ">" in line[:4]:  # journald priority prefix
+                line = line[line.index(">") + 1 :]
+            try:
+                self.lines.append(json.loads(line))
+            except ValueError:
+                continue
+
+    def events(self, event: str, /, **fields: object) -> list[dict[str, object]]:
+        return [e for e in list(self.lines) if e.get("event") == event and fields.items() <= e.items()]
+
+    def wait_for(self, event: str, /, timeout: float = 60.0, **fields: object) -> dict[str, object]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if found := self.events(event, **fields):
+                return found[-1]
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.05)
+        tail = "".join(self.raw[-30:])
+        raise AssertionError(f"no {event} {fields} (daemon rc={self.process.poll()}):\n{tail}")
+
+    def stop(self) -> int:
+        """SIGTERM (if still running), wait, and close the pipe; returns the exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            code = self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise AssertionError("daemon ignored SIGTERM for 60 s:\n" + "".join(self.raw[-15:])) from None
+        self._reader.join(timeout=10)
+        assert self.process.stdout is not None
+        self.process.stdout.close()
+        return code
+
+
+def daemon_config(path: Path, *, root: Path, engine_url: str, state_dir: Path) -> Path:
+    path.write_text(
+        f'[source]\npath = "{root}"\npending_recheck_interval = 0.2\n'
+        f'[engine]\nurl = "{engine_url}"\nretry_initial = 0.2\nretry_max = 2.0\n'
+        f'[state]\ndir = "{state_dir}"\n[log]\nformat = "json"\n'
+    )
+    return path
+
+
+def session_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Path, Path]]:
+    """Yields (engine, root, staging): engine started on ROOT/step-1 (seed 1), and
+    staging/seed-2 holding a second checkpoint with the same layout, other weights."""
+    from vllm_reloader.tools.publish import publish
+    from vllm_reloader.tools.tinymodel import write_checkpoint
+
+    base = tmp_path_factory.mktemp("e2e")
+    root, staging = base / "root", base / "staging"
+    publish(write_checkpoint(staging / "seed-1", seed=1), root, step=1)
+    write_checkpoint(staging / "seed-2", seed=2)
+    engine = start_engine(root / "step-1", base / "engine.log")
+    try:
+        yield engine, root, staging
+    finally:
+        engine.stop()

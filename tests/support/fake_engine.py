@@ -1,0 +1,145 @@
+"""A scripted stand-in for the vLLM dev API, for injecting faults the real engine won't
+produce on demand. The real engine is what proves the whole works (test_e2e.py)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import httpx
+
+from vllm_reloader.config import EngineConfig
+from vllm_reloader.engine.client import EXTENSION, EXTENSION_METHOD, EngineClient
+
+
+class FakeEngine:
+    def __init__(self, startup: str = "/models/startup") -> None:
+        self.calls: list[str] = []
+        self.version = "default"
+        self.startup = startup
+        self.loaded = startup
+        self.paused = False
+        self.sleep_mode = False
+        self.extension = False
+        """Started with the worker extension: `/server_info` names it, its method answers."""
+        self.methods: list[str] = []
+        """The collective_rpc methods called, in order."""
+        self.asleep: set[str] = set()
+        """What is asleep: "weights", "kv_cache"."""
+        self.garbage: set[str] = set()
+        """Checkpoint paths whose weights answer with NaN logprobs (a diverged run)."""
+        self.fail: dict[str, Callable[[], httpx.Response]] = {}
+        """endpoint (or 'reload:<path>') -> response factory, or raise inside it."""
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        body = json.loads(request.content) if request.content else {}
+        key = path
+        if path == "/collective_rpc":
+            self.methods.append(body["method"])
+            key = f"reload:{next(iter(body['kwargs'].values()))}"
+        self.calls.append(key if path == "/collective_rpc" else path)
+        if key in self.fail:
+            return self.fail[key]()
+        if path == "/weight_info":
+            return httpx.Response(200, json={"weight_version": self.version})
+        if path == "/server_info":
+            model_config = {"model": self.startup, "enable_sleep_mode": self.sleep_mode}
+            parallel_config = {"worker_extension_cls": EXTENSION if self.extension else ""}
+            config = {"model_config": model_config, "parallel_config": parallel_config}
+            return httpx.Response(200, json={"vllm_config": config})
+        if path == "/sleep":
+            self.asleep = {"weights", "kv_cache"}
+            self.calls[-1] = f"/sleep?level={request.url.params['level']}&mode={request.url.params['mode']}"
+            return httpx.Response(200, json={"status": "sleeping"})
+        if path == "/wake_up":
+            tags = request.url.params.get_list("tags") or ["weights", "kv_cache"]
+            self.asleep -= set(tags)
+            self.calls[-1] = f"/wake_up?tags={','.join(tags)}"
+            return httpx.Response(200, json={"status": "awake"})
+        if path == "/pause":
+            self.paused = True
+            return httpx.Response(200, json={"status": "paused"})
+        if path == "/resume":
+            self.paused = False
+            return httpx.Response(200, json={"status": "resumed"})
+        if path == "/is_paused":
+            return httpx.Response(200, json={"is_paused": self.paused})
+        if path == "/collective_rpc":
+            if "weights" in self.asleep:
+                return httpx.Response(500, json={"error": {"message": "weights are asleep"}})
+            if body["method"] == EXTENSION_METHOD:
+                if not self.extension:  # what vLLM answers for a method no worker has
+                    return httpx.Response(500, json={"error": {"message": "no attribute"}})
+                self.loaded = body["kwargs"]["path"]
+                return httpx.Response(200, json={"results": [{"loader": "extension", "bytes": 42}]})
+            self.loaded = body["kwargs"]["weights_path"]
+            return httpx.Response(200, json={"results": [None]})
+        if path == "/reset_prefix_cache":
+            return httpx.Response(200, json={"success": True})
+        if path == "/metrics":
+            return httpx.Response(200, text="# HELP x\nvllm:num_requests_running{model_name=\"tiny\"} 3.0\n"
+                                  "vllm:num_requests_waiting{model_name=\"tiny\"} 2.0\n")  # fmt: skip
+        if path == "/v1/completions":
+            value = float("nan") if self.loaded in self.garbage else -0.5
+            body = {"choices": [{"logprobs": {"token_logprobs": [value] * 2}}]}  # NaN as Python writes it
+            return httpx.Response(
+                200, content=json.dumps(body).encode(), headers={"content-type": "application/json"}
+            )
+        if path == "/update_weight_version":
+            self.version = body["new_version"]
+            return httpx.Response(200, json={"success": True})
+        return httpx.Response(404)
+
+    def client(self, **config: object) -> EngineClient:
+        cfg = EngineConfig(url="http://engine.test", **config)  # type: ignore[arg-type]
+        return EngineClient(cfg, transport=httpx.MockTransport(self.handle))
+
+
+def error(status: int = 500, message: str = "boom") -> Callable[[], httpx.Response]:
+    return lambda: httpx.Response(status, json={"error": {"message": message}})
+
+
+def unreachable() -> Callable[[], httpx.Response]:
+    def fail() -> httpx.Response:
+        raise httpx.ConnectError("connection refused")
+
+    return fail
+
+
+class FakeEngineServer:
+    """The scripted engine behind a real HTTP socket on 127.0.0.1, for daemon subprocesses."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        import http.server
+        import threading
+
+        fake = engine
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                length = int(self.headers.get("content-length") or 0)
+                request = httpx.Request(
+                    self.command, f"http://engine.test{self.path}", content=self.rfile.read(length)
+                )
+                response = fake.handle(request)
+                self.send_response(response.status_code)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(response.content)))
+                self.end_headers()
+                self.wfile.write(response.content)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *_args: object) -> None:
+                pass
+
+        self.engine = engine
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
