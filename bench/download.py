@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ours, theirs = [], []
     scratch = Path(tempfile.mkdtemp(prefix="vllm-reloader-bench-"))
     try:
-        listed = store.list()
+        listed, _ = store.list()
         listing = {e.path: listed[f"ckpt/{e.path}"] for e in entries}
 
         def run_ours() -> None:

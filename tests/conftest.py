@@ -2,6 +2,7 @@
 
 pytest_plugins = [
     "tests.support.checkpoints",
+    "tests.support.daemon_fixtures",
     "tests.support.service_fixtures",
     "tests.support.store_fixtures",
 ]

@@ -90,6 +90,7 @@ print(sorted(m for m in sys.modules if m.startswith("vllm_reloader")))
             "vllm_reloader.extension",
             "vllm_reloader.extension.readers",
             "vllm_reloader.extension.worker",
+            "vllm_reloader.failpoints",
         ]
     )
 

@@ -1,5 +1,6 @@
 """The console script as a user runs it: a real subprocess, exit codes, one-line errors."""
 
+import socket
 import subprocess
 import sys
 
@@ -78,3 +79,60 @@ def test_cli_verify_knows_the_foreign_conventions(tmp_path):
     (tmp_path / "hf" / "model.safetensors.index.json").write_bytes(hf_index(shards))
     result = cli("verify", str(tmp_path / "hf"), "--completeness", "hf-index")
     assert result.returncode == 0 and result.stdout.startswith("ready:"), result.stdout
+
+
+def _config(tmp_path, **sections: str) -> str:
+    parts = {
+        "source": f'path = "{tmp_path / "root"}"',
+        "engine": 'url = "http://127.0.0.1:1"',
+        "state": f'dir = "{tmp_path / "state"}"',
+        **sections,
+    }
+    path = tmp_path / "daemon.toml"
+    path.write_text("".join(f"[{name}]\n{body}\n" for name, body in parts.items()))
+    return str(path)
+
+
+def _exits_2_in_one_line(result: subprocess.CompletedProcess[str], expected: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert expected in result.stderr
+
+
+def test_cli_config_that_is_not_utf8_exits_2(tmp_path):
+    path = tmp_path / "daemon.toml"
+    path.write_bytes(b'[source]\npath = "/x\xff"\n')
+    _exits_2_in_one_line(cli("run", "--config", str(path)), "not UTF-8")
+
+
+def test_cli_infinite_interval_exits_2(tmp_path):
+    config = _config(tmp_path, source=f'path = "{tmp_path / "root"}"\nrescan_interval = inf')
+    _exits_2_in_one_line(
+        cli("run", "--config", config), "source.rescan_interval: Input should be a finite number"
+    )
+
+
+def test_cli_metrics_port_out_of_range_or_in_use_exits_2(tmp_path):
+    _exits_2_in_one_line(
+        cli("run", "--config", _config(tmp_path, metrics='listen = "127.0.0.1:70000"')),
+        "port from 1 to 65535",
+    )
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = _config(tmp_path, metrics=f'listen = "127.0.0.1:{port}"')
+        _exits_2_in_one_line(
+            cli("run", "--config", config), f"metrics.listen 127.0.0.1:{port}: cannot listen"
+        )
+
+
+def test_cli_control_socket_path_too_long_exits_2(tmp_path):
+    long = tmp_path / ("d" * 120) / "control.sock"
+    config = _config(tmp_path, control=f'socket = "{long}"')
+    _exits_2_in_one_line(cli("run", "--config", config), "longer than the 107 bytes")
+
+
+def test_cli_source_path_naming_a_file_exits_2(tmp_path):
+    (tmp_path / "root").write_text("not a directory")
+    _exits_2_in_one_line(cli("run", "--config", _config(tmp_path)), "exists and is not a directory")

@@ -20,7 +20,8 @@ DEFAULT_MARKERS = ("commit_success.txt", "_SUCCESS", "COMPLETE")
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    # No NaN or inf: an infinite interval would never tick (or sleep forever).
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class SourceConfig(_Section):
@@ -163,8 +164,9 @@ class MetricsConfig(_Section):
     @field_validator("listen")
     @classmethod
     def _host_port(cls, value: str | None) -> str | None:
-        if value is not None and not value.rpartition(":")[2].isdigit():
-            raise ValueError("must be HOST:PORT, e.g. 127.0.0.1:9400")
+        port = value.rpartition(":")[2] if value is not None else ""
+        if value is not None and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+            raise ValueError("must be HOST:PORT with a port from 1 to 65535, e.g. 127.0.0.1:9400")
         return value
 
 
@@ -221,4 +223,6 @@ def load(path: Path) -> Config:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
     return parse(text, str(path))

@@ -1,12 +1,20 @@
-"""Failpoints: `VLLM_RELOADER_FAILPOINT=<name>` makes the daemon SIGKILL itself at <name>.
+"""Failpoints, for the fault tests: named points in a reload where a test can act.
 
-For the fault tests, which kill the daemon at each step of a reload and check that a
-restart converges. Off in production: the variable is read once at import, and `hit` is a
-comparison with None.
+- `VLLM_RELOADER_FAILPOINT=<name>`: the process SIGKILLs itself at <name> (does a restart
+  converge?).
+- `VLLM_RELOADER_FAILPOINT_DIR=<dir>`: at <name>, while `<dir>/<name>.hold` exists, the
+  process writes `<dir>/<name>.held` and waits (at most `HOLD_LIMIT` seconds) until the test
+  removes the `.hold` file — so a test can change files at an exact moment. The worker
+  extension, inside the engine, honours it too (`mid_load`).
 
-    before_pause   the reload decided, nothing sent to the engine yet
+Off in production: both variables are read once at import; `hit` is two comparisons with
+None. Standard library only: the extension imports it inside vLLM.
+
+    after_gate     the gate said ready; nothing compared again, nothing sent to the engine
+    before_pause   the files compared again, nothing sent to the engine yet
     after_pause    the engine paused, weights untouched
-    after_reload   new weights loaded, weight version still `reloading:<v>`
+    mid_load       (in the engine) the first run of tensors handed to the model
+    after_reload   new weights loaded, version still `reloading:<v>`, files not compared yet
     after_version  version set and the engine resumed, the state file not yet written
 """
 
@@ -14,11 +22,32 @@ from __future__ import annotations
 
 import os
 import signal
+import time
+from pathlib import Path
 
-NAMES = ("before_pause", "after_pause", "after_reload", "after_version")
-_ACTIVE = os.environ.get("VLLM_RELOADER_FAILPOINT") or None
+NAMES = ("after_gate", "before_pause", "after_pause", "mid_load", "after_reload", "after_version")
+KILL_NAMES = ("before_pause", "after_pause", "after_reload", "after_version")
+"""Where the restart tests kill the daemon (mid_load is the engine's, after_gate holds only)."""
+HOLD_LIMIT = 120.0
+_KILL = os.environ.get("VLLM_RELOADER_FAILPOINT") or None
+_HOLD_DIR = os.environ.get("VLLM_RELOADER_FAILPOINT_DIR") or None
 
 
 def hit(name: str) -> None:
-    if _ACTIVE is not None and name == _ACTIVE:
+    if _KILL is not None and name == _KILL:
         os.kill(os.getpid(), signal.SIGKILL)
+    if _HOLD_DIR is not None:
+        _hold(Path(_HOLD_DIR), name)
+
+
+def _hold(directory: Path, name: str) -> None:
+    hold, held = directory / f"{name}.hold", directory / f"{name}.held"
+    if not hold.exists():
+        return
+    held.touch()
+    deadline = time.monotonic() + HOLD_LIMIT
+    try:
+        while hold.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        held.unlink(missing_ok=True)

@@ -188,14 +188,14 @@ def test_foreign_checkpoint_changing_while_checked_is_pending(tmp_path, monkeypa
     scratch, _, index = hf_sharded(tmp_path)
     (scratch / INDEX_NAME).write_bytes(index)
     serving = layout.read_served_layout(scratch)
-    real = layout.read_layout
+    real = layout.read_arch
 
-    def touch_then_read(directory, weights):
+    def touch_then_read(directory):
         (scratch / "trainer_state.json").write_text("{}")  # the trainer writes one more file
-        return real(directory, weights)
+        return real(directory)
 
-    monkeypatch.setattr(layout, "read_layout", touch_then_read)
+    monkeypatch.setattr(layout, "read_arch", touch_then_read)
     verdict = gate.check(scratch, serving=serving, options=HF)
     assert verdict.status == "pending" and "changed" in verdict.reason
-    monkeypatch.setattr(layout, "read_layout", real)
+    monkeypatch.setattr(layout, "read_arch", real)
     assert gate.check(scratch, serving=serving, options=HF, now=time.time()).status == "ready"

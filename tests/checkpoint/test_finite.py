@@ -7,7 +7,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from tests.support.checkpoints import MakeCheckpoint, write_manifest
-from vllm_reloader.checkpoint import finite, gate
+from vllm_reloader.checkpoint import gate, scan
 
 
 def bf16(values: np.ndarray) -> np.ndarray:
@@ -38,7 +38,7 @@ def test_finite_scan_finds_one_non_finite_value_anywhere(tmp_path, dtype, bad):
     values = np.random.default_rng(0).standard_normal(100_000) * 100
     values[77_777] = bad
     write_raw(tmp_path / "x.safetensors", dtype, as_dtype(values, dtype))
-    assert finite.first_non_finite(tmp_path / "x.safetensors") == "t"
+    assert scan.first_non_finite(tmp_path / "x.safetensors") == "t"
 
 
 @pytest.mark.parametrize("dtype", ["F32", "F16", "F64", "BF16"])
@@ -46,20 +46,20 @@ def test_finite_scan_passes_large_but_finite_values(tmp_path, dtype):
     big = {"F32": 3.0e38, "F16": 65000.0, "F64": 1.0e308, "BF16": 3.0e38}[dtype]
     values = np.array([big, -big, 0.0, -0.0, 1e-30, 1.0] * 1000)
     write_raw(tmp_path / "x.safetensors", dtype, as_dtype(values, dtype))
-    assert finite.first_non_finite(tmp_path / "x.safetensors") is None
+    assert scan.first_non_finite(tmp_path / "x.safetensors") is None
 
 
 def test_finite_scan_ignores_integer_tensors(tmp_path):
     save_file({"ids": np.full(1000, -1, dtype=np.int32)}, str(tmp_path / "x.safetensors"))
-    assert finite.first_non_finite(tmp_path / "x.safetensors") is None
+    assert scan.first_non_finite(tmp_path / "x.safetensors") is None
 
 
-def test_finite_scan_crosses_chunk_boundaries(tmp_path, monkeypatch):
-    monkeypatch.setattr(finite, "CHUNK", 4096)
+def test_finite_scan_crosses_chunk_boundaries(tmp_path):
     values = np.zeros(10_000, np.float32)
     values[-1] = np.nan
-    save_file({"w": values}, str(tmp_path / "x.safetensors"))
-    assert finite.first_non_finite(tmp_path / "x.safetensors") == "w"
+    save_file({"w": values, "a": np.zeros(3, np.float16)}, str(tmp_path / "x.safetensors"))
+    # 4094 is no multiple of 4: reads must still be cut at element boundaries
+    assert scan.first_non_finite(tmp_path / "x.safetensors", chunk=4094) == "w"
 
 
 def test_gate_rejects_a_checkpoint_with_nan_weights(make_checkpoint: MakeCheckpoint, tmp_path):

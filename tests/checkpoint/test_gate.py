@@ -12,6 +12,7 @@ import pytest
 from tests.support.checkpoints import TENSORS, MakeCheckpoint, write_manifest, write_weights
 from vllm_reloader.checkpoint import gate, layout
 from vllm_reloader.checkpoint.completeness import Convention
+from vllm_reloader.checkpoint.files import INDEX_NAME, identity
 
 NO_GRACE = gate.GateOptions(convention=Convention(manifest_grace=0))
 
@@ -157,8 +158,8 @@ def test_gate_rejects_truncated_shard_listed_at_its_truncated_size(make_checkpoi
     os.truncate(shard, shard.stat().st_size - 100)
     write_manifest(directory)
     verdict = gate.check(directory, serving=None)
-    assert verdict.status == "rejected"
-    assert "incomplete metadata" in verdict.reason
+    assert verdict.status == "rejected" and verdict.details["check"] == "headers"
+    assert "tensor data ends at byte" in verdict.reason
 
 
 def test_gate_rejects_file_that_is_not_safetensors(make_checkpoint: MakeCheckpoint):
@@ -221,11 +222,11 @@ def test_gate_rejects_unreadable_file(make_checkpoint: MakeCheckpoint, monkeypat
     shard = directory / "model.safetensors"
     shard.chmod(0)  # enough for a non-root user; root (CI) needs the injected error below
 
-    def denied(path: str, framework: str) -> None:
-        raise PermissionError(13, "Permission denied", path)
+    def denied(path: Path) -> int:
+        raise PermissionError(13, "Permission denied", str(path))
 
     if os.geteuid() == 0:
-        monkeypatch.setattr(gate, "safe_open", denied)
+        monkeypatch.setattr(gate, "open_regular", denied)
     verdict = gate.check(directory, serving=None)
     assert verdict.status == "rejected"
     assert "permission denied" in verdict.reason
@@ -250,12 +251,137 @@ def test_gate_pending_when_manifest_changes_while_being_verified(
     make_checkpoint: MakeCheckpoint, monkeypatch
 ):
     directory = make_checkpoint("step-1", step=1)
-    real = gate._check_digests
+    real = gate._read_bytes
 
     def rewrite_then_hash(*args, **kwargs):
         write_manifest(directory, step=2)  # the producer replaced it mid-check
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(gate, "_check_digests", rewrite_then_hash)
+    monkeypatch.setattr(gate, "_read_bytes", rewrite_then_hash)
     verdict = gate.check(directory, serving=None)
     assert verdict.status == "pending" and "changed while it was being checked" in verdict.reason
+
+
+# -- verified bytes, odd input -------------------------------------------------------------
+
+
+def test_gate_ready_verdict_carries_the_identity_of_every_file_it_verified(make_checkpoint: MakeCheckpoint):
+    directory = make_checkpoint("step-1", shards=2)
+    verdict = gate.check(directory, serving=None)
+    assert verdict.status == "ready"
+    listed = {e["path"] for e in manifest_of(directory)["files"]}
+    assert set(verdict.files) == listed | {"manifest.json"}
+    for name, found in verdict.files.items():
+        assert found == identity((directory / name).lstat())
+
+
+def test_gate_pending_when_a_shard_is_rewritten_while_it_is_hashed(
+    make_checkpoint: MakeCheckpoint, monkeypatch
+):
+    """Same size, other bytes, written while the gate reads: not the file it verified."""
+    directory = make_checkpoint("step-1")
+    real = gate.scan.read
+
+    def rewrite_then_read(where, work, buffer):
+        shard = directory / "model.safetensors"
+        shard.write_bytes(shard.read_bytes())  # a trainer saving again over the same path
+        return real(where, work, buffer)
+
+    monkeypatch.setattr(gate.scan, "read", rewrite_then_read)
+    verdict = gate.check(directory, serving=None)
+    assert verdict.status == "pending" and "changed while it was being checked" in verdict.reason
+
+
+def test_gate_rejects_a_listed_file_that_is_a_symlink_inside_the_checkpoint(make_checkpoint: MakeCheckpoint):
+    directory = make_checkpoint("step-1")
+    (directory / "tokenizer.json").write_text("{}")
+    (directory / "alias.json").symlink_to(directory / "tokenizer.json")
+    write_manifest(directory)
+    verdict = gate.check(directory, serving=None)
+    assert verdict.status == "rejected" and "alias.json is not a regular file" in verdict.reason
+
+
+def test_gate_rejects_a_symlink_as_the_checkpoint_directory(make_checkpoint: MakeCheckpoint, tmp_path):
+    directory = make_checkpoint("real")
+    (tmp_path / "root" / "step-2").symlink_to(directory)
+    verdict = gate.check(tmp_path / "root" / "step-2", serving=None)
+    assert verdict.status == "rejected" and "not a directory" in verdict.reason
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "huge"])
+def test_gate_never_blocks_or_fills_memory_on_an_odd_manifest(tmp_path, kind):
+    directory = tmp_path / "step-1"
+    write_weights(directory)
+    manifest = directory / "manifest.json"
+    if kind == "fifo":
+        os.mkfifo(manifest)
+    elif kind == "dev-zero":
+        manifest.symlink_to("/dev/zero")
+    else:
+        manifest.write_bytes(b" " * (17 << 20))  # over the 16 MiB a manifest may have
+    started = time.monotonic()
+    verdict = gate.check(directory, serving=None)
+    assert time.monotonic() - started < 5
+    assert verdict.status == "rejected" and verdict.details["check"] == "io"
+    assert "manifest.json" in verdict.reason
+
+
+def test_gate_rejects_json_nested_past_the_parser_as_a_verdict(make_checkpoint: MakeCheckpoint, tmp_path):
+    directory = make_checkpoint("step-1")
+    (directory / "manifest.json").write_bytes(b"[" * 100_000 + b"]" * 100_000)
+    assert gate.check(directory, serving=None, options=NO_GRACE).status == "rejected"
+    directory = make_checkpoint("step-2")
+    (directory / "config.json").write_bytes(b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    write_manifest(directory)
+    verdict = gate.check(directory, serving=serving_layout(tmp_path))
+    assert verdict.status == "rejected" and "config.json is not valid JSON" in verdict.reason
+
+
+def test_gate_rejects_an_index_not_listed_in_the_manifest(make_checkpoint: MakeCheckpoint):
+    """vLLM's loader follows an HF index: one nobody listed must not steer it."""
+    directory = make_checkpoint("step-1")
+    (directory / INDEX_NAME).write_text(json.dumps({"weight_map": {"a": "/etc/passwd"}}))
+    verdict = gate.check(directory, serving=None)
+    assert (
+        verdict.status == "rejected" and f"{INDEX_NAME} is in the directory but not listed" in verdict.reason
+    )
+
+
+def test_gate_rejects_an_index_naming_other_shards_than_the_listed_ones(make_checkpoint: MakeCheckpoint):
+    directory = make_checkpoint("step-1", shards=2)
+    shards = sorted(p.name for p in directory.glob("*.safetensors"))
+    (directory / INDEX_NAME).write_text(json.dumps({"weight_map": {"a": shards[0]}}))
+    write_manifest(directory)
+    verdict = gate.check(directory, serving=None)
+    assert verdict.status == "rejected" and "the listed shards are" in verdict.reason
+    (directory / INDEX_NAME).write_text(json.dumps({"weight_map": {"a": shards[0], "b": shards[1]}}))
+    write_manifest(directory)
+    assert gate.check(directory, serving=None).status == "ready"
+
+
+def test_gate_turns_an_unexpected_error_into_a_rejection_of_that_checkpoint(
+    make_checkpoint: MakeCheckpoint, monkeypatch
+):
+    directory = make_checkpoint("step-1")
+
+    def bug(*_args, **_kwargs):
+        raise KeyError("something nobody thought of")
+
+    monkeypatch.setattr(gate, "path_problem", bug)
+    verdict = gate.check(directory, serving=None)
+    assert verdict.status == "rejected" and verdict.details["check"] == "internal"
+    assert "KeyError" in verdict.reason and "Traceback" in str(verdict.details["traceback"])
+    assert verdict.fingerprint, "remembered by its manifest, so it is not judged again every tick"
+
+
+def test_gate_waits_out_the_timestamp_tick_of_a_file_written_just_now(make_checkpoint: MakeCheckpoint):
+    """A write within the same tick as the last one would not change the identity: the gate
+    reads only once the clock is past it (git's racily-clean rule)."""
+    directory = make_checkpoint("step-1")
+    write_manifest(directory)  # just now
+    started = time.time_ns()
+    verdict = gate.check(directory, serving=None)
+    newest = max(found[4] for found in verdict.files.values())
+    assert verdict.status == "ready"
+    assert started - newest < gate.RACY_NS, "this test needs a file changed within the tick"
+    assert time.time_ns() >= newest + gate.RACY_NS

@@ -41,3 +41,11 @@ def test_policy_skips_rejected_until_manifest_changes():
 def test_policy_treats_everything_as_newer_than_an_outside_startup_model():
     candidates = cands(("a", None), ("b", 5))
     assert [c.name for c in to_try(candidates, serving=None, rejected={})] == ["b", "a"]
+
+
+def test_policy_sorts_digits_of_other_scripts_as_letters_without_failing():
+    bold_nine = "\N{MATHEMATICAL BOLD DIGIT NINE}"  # isdigit(), and int() refuses it
+    names = ["step-²", "step-٣", "step-3", "step-10", f"step-{bold_nine}"]
+    ordered = sorted(names, key=natural_key)
+    assert ordered.index("step-3") < ordered.index("step-10"), "ASCII digits still compare as numbers"
+    assert {"step-²", "step-٣", f"step-{bold_nine}"} <= set(ordered)

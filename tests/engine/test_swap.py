@@ -4,6 +4,7 @@ import httpx
 import pytest
 
 from tests.support.fake_engine import FakeEngine, error, unreachable
+from vllm_reloader.checkpoint.files import identity
 from vllm_reloader.config import EngineConfig
 from vllm_reloader.engine.client import EXTENSION_METHOD, RELOADING_PREFIX, EngineClient, ServerConfig
 from vllm_reloader.engine.swap import Target, hot_swap
@@ -167,3 +168,54 @@ def test_engine_reload_uses_a_connection_of_its_own():
     client.reload_weights("/root/step-2")
     client.reload_weights("/root/step-2", extension=True)
     assert seen == ["close", "close"]
+
+
+@pytest.mark.parametrize("failing", ["/sleep", "/wake_up"])
+def test_engine_sleep_strategy_restores_the_fallback_when_anything_after_sleeping_fails(failing: str):
+    """Asleep at level 2 the weights are gone: resuming without a restore serves garbage."""
+    engine = FakeEngine()
+    woken = {"done": False}
+    real = engine.handle
+
+    def wake_fails_once(request: httpx.Request) -> httpx.Response:
+        if request.url.path == failing and not woken["done"]:
+            woken["done"] = True
+            if failing == "/sleep":
+                engine.asleep = {"weights", "kv_cache"}  # it slept, then the answer was lost
+            return httpx.Response(500, json={"error": {"message": "out of memory"}})
+        return real(request)
+
+    engine.handle = wake_fails_once  # type: ignore[method-assign]
+    with pytest.raises(ReloadFailed, match="out of memory; restored step-1") as failed:
+        hot_swap(engine.client(), NEW, fallback=OLD, on_resume_failed=print, strategy="sleep")
+    assert failed.value.restored and not failed.value.changed
+    assert engine.loaded == OLD.path and engine.version == "step-1"
+    assert engine.asleep == set() and not engine.paused
+
+
+def test_engine_swap_restores_when_the_files_changed_during_the_load(tmp_path):
+    """vLLM's own loader reads by path: a file written meanwhile may have been read half old."""
+    shard = tmp_path / "step-2" / "model.safetensors"
+    shard.parent.mkdir()
+    shard.write_bytes(b"x" * 64)
+    target = Target("step-2", str(shard.parent), {"model.safetensors": identity(shard.lstat())})
+    engine = FakeEngine()
+    engine.during_load = lambda path: shard.write_bytes(b"y" * 64) if path == target.path else None
+    with pytest.raises(ReloadFailed, match="files changed during the reload") as failed:
+        hot_swap(engine.client(), target, fallback=OLD, on_resume_failed=print)
+    assert failed.value.restored and failed.value.changed
+    assert engine.loaded == OLD.path and engine.version == "step-1" and not engine.paused
+
+
+def test_engine_swap_does_not_claim_a_restore_of_a_fallback_that_changed(tmp_path):
+    good = tmp_path / "step-1" / "model.safetensors"
+    good.parent.mkdir()
+    good.write_bytes(b"g" * 64)
+    fallback = Target("step-1", str(good.parent), {"model.safetensors": identity(good.lstat())})
+    good.write_bytes(b"h" * 64)  # rotated/rewritten by the trainer since it passed its canary
+    engine = FakeEngine()
+    engine.extension = True
+    engine.fail["reload:/root/step-2"] = error(500, "shape mismatch")
+    with pytest.raises(ReloadFailed, match="restoring step-1 failed too") as failed:
+        hot_swap(engine.client(), NEW, fallback=fallback, on_resume_failed=print, extension=True)
+    assert not failed.value.restored and not engine.paused

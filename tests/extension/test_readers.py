@@ -4,13 +4,15 @@ through it is in test_e2e.py (the session engine runs with the extension)."""
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch  # the test environment has it (the engine extra): never skipped
 from safetensors.torch import save_file
 
-from vllm_reloader.checkpoint.files import INDEX_NAME
+from vllm_reloader.checkpoint.files import INDEX_NAME, Identity, identity
 from vllm_reloader.extension import readers as worker
 from vllm_reloader.extension.readers import BufferPool, LoadStats, TensorRead
 
@@ -47,14 +49,35 @@ def _sharded(directory: Path, tensors: dict[str, torch.Tensor]) -> Path:
     return directory
 
 
+def _plan(directory: Path, files: dict[str, Identity] | None = None) -> list[TensorRead]:
+    """Opens the shards (kept open until the test ends, as the extension keeps them for a load)."""
+    checkpoint = worker.Checkpoint(directory)
+    OPEN.append(checkpoint)
+    return worker.layer_order(worker.plan(checkpoint, files), MODULES)
+
+
+OPEN: list[worker.Checkpoint] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_checkpoints() -> Iterator[None]:
+    yield
+    while OPEN:
+        OPEN.pop().close()
+
+
 def _load(
     directory: Path, pool: BufferPool, *, chunk: int = 256, threads: int = 3
 ) -> dict[str, torch.Tensor]:
-    reads = worker.layer_order(worker.plan(directory), MODULES)
+    reads = _plan(directory)
     return {
         name: t.clone()
-        for name, t in worker.read_weights(worker.runs(reads, chunk), pool, threads, LoadStats())
+        for name, t in worker.read_weights(worker.runs(reads, chunk), pool, threads, LoadStats(), OPEN[-1])
     }
+
+
+def _identities(directory: Path) -> dict[str, Identity]:
+    return {p.name: identity(p.lstat()) for p in directory.iterdir() if p.name != "consolidated.safetensors"}
 
 
 def test_worker_orders_tensors_by_the_modules_that_consume_them():
@@ -78,15 +101,10 @@ def test_worker_orders_tensors_by_the_modules_that_consume_them():
     ]
 
 
-@pytest.mark.parametrize("reader", ["buffered", "mapped"])
-def test_worker_reads_every_tensor_bit_exact_across_shards_dtypes_and_runs(tmp_path: Path, reader: str):
+def test_worker_reads_every_tensor_bit_exact_across_shards_dtypes_and_runs(tmp_path: Path):
     tensors = _tensors()
     directory = _sharded(tmp_path / "ckpt", tensors)
-    if reader == "buffered":
-        loaded = _load(directory, BufferPool(pin=False, min_bytes=256))
-    else:
-        reads = worker.layer_order(worker.plan(directory), MODULES)
-        loaded = {name: t.clone() for name, t in worker.mapped_weights(reads, LoadStats())}
+    loaded = _load(directory, BufferPool(pin=False, min_bytes=256))
     assert loaded.keys() == tensors.keys(), "exactly the tensors the index names (no stray shard)"
     for name, tensor in tensors.items():
         assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
@@ -110,7 +128,7 @@ def test_worker_reuses_buffers_only_once_the_model_let_go_of_their_tensors(tmp_p
 
     # A model that keeps what it was given (vLLM's layerwise loader does, until a layer is
     # complete): no buffer it still sees may be written again.
-    reads = worker.runs(worker.layer_order(worker.plan(directory), MODULES), 256)
+    reads = worker.runs(_plan(directory), 256)
     held = list(worker.read_weights(reads, pool, 3, LoadStats()))
     assert pool.allocated > 0
     for name, tensor in held:
@@ -119,9 +137,9 @@ def test_worker_reuses_buffers_only_once_the_model_let_go_of_their_tensors(tmp_p
 
 def test_worker_read_fails_with_the_tensor_named_when_a_shard_ends_early(tmp_path: Path):
     directory = _sharded(tmp_path / "ckpt", _tensors())
-    reads = worker.layer_order(worker.plan(directory), MODULES)
+    reads = _plan(directory)
     shard = directory / "model-00001-of-00002.safetensors"
-    shard.write_bytes(shard.read_bytes()[:-8])
+    os.truncate(shard, shard.stat().st_size - 8)  # the open file: a truncation, not a new file
     with pytest.raises(OSError, match=r"model-00001-of-00002.safetensors: ends inside tensor "):
         list(
             worker.read_weights(worker.runs(reads, 256), BufferPool(pin=False, min_bytes=256), 2, LoadStats())
@@ -135,7 +153,7 @@ def test_worker_plan_refuses_a_short_shard_before_the_model_is_touched(tmp_path:
     with pytest.raises(
         ValueError, match=r"model-00002-of-00002.safetensors: ends inside tensor .*nothing was loaded"
     ):
-        worker.plan(directory)
+        _plan(directory)
 
 
 def test_worker_plan_refuses_a_tensor_whose_bytes_do_not_fit_its_shape(tmp_path: Path):
@@ -145,4 +163,63 @@ def test_worker_plan_refuses_a_tensor_whose_bytes_do_not_fit_its_shape(tmp_path:
     raw = (directory / "model.safetensors").read_bytes()
     (directory / "model.safetensors").write_bytes(raw.replace(b'"shape":[4,4]', b'"shape":[4,2]'))
     with pytest.raises(ValueError, match=r"tensor a.weight has 64 bytes for its shape \[4, 2\]"):
-        worker.plan(directory)
+        _plan(directory)
+
+
+def test_worker_loads_only_the_files_the_gate_verified(tmp_path: Path):
+    tensors = _tensors()
+    directory = _sharded(tmp_path / "ckpt", tensors)
+    (directory / "consolidated.safetensors").unlink()
+    verified = _identities(directory)
+    assert len(_plan(directory, verified)) == len(tensors)
+    shard = directory / "model-00001-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes())  # same bytes, written again: not the verified file
+    with pytest.raises(
+        ValueError, match=r"model-00001-of-00002.safetensors is not the file the gate verified"
+    ):
+        _plan(directory, verified)
+
+
+def test_worker_refuses_a_shard_the_gate_did_not_list(tmp_path: Path):
+    directory = _sharded(tmp_path / "ckpt", _tensors())  # holds a stray shard besides the index's
+    with pytest.raises(ValueError, match="are not the verified"):
+        _plan(directory, _identities(directory))
+
+
+def test_worker_refuses_an_index_that_points_outside_the_checkpoint(tmp_path: Path):
+    directory = _sharded(tmp_path / "ckpt", _tensors())
+    (directory / INDEX_NAME).write_text(json.dumps({"weight_map": {"a.weight": "/etc/x.safetensors"}}))
+    with pytest.raises(ValueError, match=r"not a top-level \.safetensors file"):
+        _plan(directory)
+
+
+def test_worker_load_fails_when_a_shard_is_rewritten_while_it_is_read(tmp_path: Path):
+    tensors = _tensors()
+    directory = _sharded(tmp_path / "ckpt", tensors)
+    (directory / "consolidated.safetensors").unlink()
+    reads = _plan(directory, _identities(directory))
+    shard = directory / "model-00002-of-00002.safetensors"
+    with shard.open("r+b") as f:  # in place, same size: the trainer's save over a fixed path
+        f.seek(-4, os.SEEK_END)
+        f.write(b"\x01\x02\x03\x04")
+    with pytest.raises(ValueError, match="changed while it was read"):
+        list(
+            worker.read_weights(
+                worker.runs(reads, 256), BufferPool(pin=False, min_bytes=256), 2, LoadStats(), OPEN[-1]
+            )
+        )
+
+
+def test_worker_load_fails_when_a_shard_is_replaced_by_rename_while_it_is_read(tmp_path: Path):
+    """The open file keeps its bytes, but its identity moves (its last link went: ctime), and
+    the extension cannot tell that from a write: the load fails, the daemon restores."""
+    tensors = _tensors()
+    directory = _sharded(tmp_path / "ckpt", tensors)
+    (directory / "consolidated.safetensors").unlink()
+    reads = _plan(directory, _identities(directory))
+    other = tmp_path / "other.safetensors"
+    save_file({k: torch.zeros_like(v) for k, v in tensors.items()}, other)
+    os.rename(other, directory / "model-00001-of-00002.safetensors")
+    pool = BufferPool(pin=False, min_bytes=256)
+    with pytest.raises(ValueError, match="changed while it was read"):
+        list(worker.read_weights(worker.runs(reads, 256), pool, 2, LoadStats(), OPEN[-1]))

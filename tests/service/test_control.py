@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+from vllm_reloader.service import control
 from vllm_reloader.service.status import render as render_status
 
 
@@ -97,3 +100,76 @@ def test_control_status_view_lists_reasons():
     assert "  step-3: model.safetensors has 10 of 20 bytes" in text
     assert "  step-9: tensor x is F32[2], serving has F32[3]" in text
     assert "step-2 in 812 ms, 1m15s ago" in text
+
+
+# -- the server on its own: timeouts, a bound on clients, answered or not applied ------------
+
+
+def _server(tmp_path: Path, enqueue) -> control.ControlServer:  # type: ignore[no-untyped-def]
+    server = control.ControlServer(tmp_path / "c.sock", enqueue)
+    server.start()
+    return server
+
+
+def test_control_request_not_answered_in_time_is_never_applied(tmp_path, monkeypatch):
+    monkeypatch.setattr(control, "ANSWER_TIMEOUT", 0.2)
+    queued: list[tuple[dict, control.Reply]] = []
+    server = _server(tmp_path, lambda request, reply: queued.append((request, reply)))
+    try:
+        answer = control.call(tmp_path / "c.sock", "pin", version="step-1")
+        assert answer == {"ok": False, "error": "the daemon did not answer in time; nothing was applied"}
+        ((_request, reply),) = queued
+        assert not reply.claim(), "the loop, busy until now, must not apply it"
+    finally:
+        server.close()
+
+
+def test_control_request_claimed_by_the_loop_is_answered_with_its_outcome(tmp_path, monkeypatch):
+    monkeypatch.setattr(control, "ANSWER_TIMEOUT", 0.3)
+
+    def slow_loop(request: dict, reply: control.Reply) -> None:
+        def act() -> None:
+            assert reply.claim()
+            time.sleep(0.5)  # past the client's wait: it is applied, so it must be answered
+            reply.put({"ok": True, "applied": request["command"]})
+
+        threading.Thread(target=act, daemon=True).start()
+
+    server = _server(tmp_path, slow_loop)
+    try:
+        assert control.call(tmp_path / "c.sock", "unpin") == {"ok": True, "applied": "unpin"}
+    finally:
+        server.close()
+
+
+def test_control_client_that_says_nothing_is_let_go(tmp_path, monkeypatch):
+    monkeypatch.setattr(control, "READ_TIMEOUT", 0.2)
+    server = _server(tmp_path, lambda request, reply: reply.put({"ok": True}))
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+            silent.connect(str(tmp_path / "c.sock"))
+            silent.settimeout(5)
+            assert silent.recv(100) == b"", "closed by the server after its read timeout"
+        assert control.call(tmp_path / "c.sock", "status") == {"ok": True}
+    finally:
+        server.close()
+
+
+def test_control_clients_past_the_bound_are_told_the_daemon_is_busy(tmp_path, monkeypatch):
+    monkeypatch.setattr(control, "MAX_CLIENTS", 2)
+    server = _server(tmp_path, lambda request, reply: reply.put({"ok": True}))
+    silent = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(2)]
+    try:
+        for sock in silent:
+            sock.connect(str(tmp_path / "c.sock"))
+        time.sleep(0.2)
+        answer = control.call(tmp_path / "c.sock", "status")
+        assert answer["ok"] is False and "busy" in answer["error"]
+    finally:
+        for sock in silent:
+            sock.close()
+    time.sleep(0.2)
+    try:
+        assert control.call(tmp_path / "c.sock", "status") == {"ok": True}, "slots come back"
+    finally:
+        server.close()

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
-import structlog
 
 from tests.support.checkpoints import hf_index, write_weights
 from tests.support.fake_engine import FakeEngine, error, unreachable
@@ -16,65 +12,7 @@ from vllm_reloader import config, durable
 from vllm_reloader.checkpoint.files import INDEX_NAME
 from vllm_reloader.engine.client import RELOADING_PREFIX
 from vllm_reloader.service import state
-from vllm_reloader.service.daemon import Daemon
 from vllm_reloader.tools.publish import publish
-
-
-class Running:
-    def __init__(self, daemon: Daemon, logs: list[dict]) -> None:
-        self.daemon, self.logs = daemon, logs
-
-    def events(self, event: str, /, **fields: object) -> list[dict]:
-        return [e for e in list(self.logs) if e["event"] == event and fields.items() <= e.items()]
-
-    def wait_for(self, event: str, /, timeout: float = 10.0, **fields: object) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if found := self.events(event, **fields):
-                return found[-1]
-            time.sleep(0.02)
-        raise AssertionError(f"no {event} {fields} in {[e['event'] for e in self.logs]}")
-
-
-@pytest.fixture
-def root(tmp_path: Path) -> Path:
-    (tmp_path / "root").mkdir()
-    return tmp_path / "root"
-
-
-@pytest.fixture
-def start(tmp_path: Path, root: Path) -> Iterator[Callable[..., Running]]:
-    threads: list[tuple[Daemon, threading.Thread]] = []
-
-    def run(
-        engine: FakeEngine,
-        engine_check_interval: float = 5.0,
-        canary: config.CanaryConfig | None = None,
-        **source: object,
-    ) -> Running:
-        cfg = config.Config(
-            source=config.SourceConfig(path=root, pending_recheck_interval=0.05, **source),  # type: ignore[arg-type]
-            engine=config.EngineConfig(
-                url="http://engine.test",
-                retry_initial=0.05,
-                retry_max=0.2,
-                check_interval=engine_check_interval,
-            ),
-            state=config.StateConfig(dir=tmp_path / "state"),
-            canary=canary or config.CanaryConfig(),
-        )
-        daemon = Daemon(cfg, client=engine.client(retry_initial=0.05))
-        thread = threading.Thread(target=daemon.run, daemon=True)
-        threads.append((daemon, thread))
-        thread.start()
-        return Running(daemon, logs)
-
-    with structlog.testing.capture_logs() as logs:
-        yield run
-        for daemon, thread in threads:
-            daemon.request_stop()
-            thread.join(timeout=10)
-            assert not thread.is_alive()
 
 
 def test_daemon_recognises_startup_checkpoint_and_does_not_reload_it(start, root, make_checkpoint):
@@ -196,7 +134,7 @@ def test_daemon_finds_checkpoint_by_rescan_when_events_are_lost(start, root, mak
     engine = FakeEngine(startup=str(root / "step-1"))
     running = start(engine, rescan_interval=0.3)
     running.wait_for("engine.reconciled")
-    running.daemon.watcher.close()  # as if the inotify queue overflowed: no more events
+    running.daemon.watcher.notify = lambda _name: None  # as if the inotify queue overflowed
     make_checkpoint("step-2", step=2, root=root)
     running.wait_for("reload.succeeded", version="step-2", timeout=5)
 
@@ -308,3 +246,20 @@ def test_daemon_logs_an_unknown_message_and_keeps_running(start, root, make_chec
     assert "('fs', 'step-2')" in running.wait_for("inbox.unknown")["message"]
     make_checkpoint("step-2", step=2, root=root)
     running.wait_for("reload.succeeded", version="step-2")
+
+
+@pytest.mark.parametrize("helper", ["watcher", "control"])
+def test_daemon_exits_1_when_a_helper_thread_dies(start, root, make_checkpoint, helper):
+    """Never a silent dead thread: the daemon says which and exits non-zero (systemd restarts it)."""
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    running = start(engine)
+    running.wait_for("engine.reconciled")
+    if helper == "watcher":
+        running.daemon.watcher.close()
+    else:
+        running.daemon.control._server.shutdown()
+    died = running.wait_for("daemon.thread_died")
+    assert died["thread"] == {"watcher": "watcher", "control": "control socket"}[helper]
+    running.wait_for("daemon.stopped", exit_code=1)
+    assert running.daemon.exit_code == 1 and not engine.paused

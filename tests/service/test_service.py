@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -148,7 +149,7 @@ def test_service_sigkill_mid_reload_then_restart_converges(service, make_checkpo
     assert second.stop() == 0
 
 
-@pytest.mark.parametrize("failpoint", failpoints.NAMES)
+@pytest.mark.parametrize("failpoint", failpoints.KILL_NAMES)
 def test_service_sigkill_at_each_failpoint_then_restart_converges(
     service, make_checkpoint, failpoint, tmp_path
 ):
@@ -171,3 +172,28 @@ def test_service_sigkill_at_each_failpoint_then_restart_converges(
         time.sleep(0.05)
     assert second.process.poll() is None
     assert second.stop() == 0
+
+
+def test_service_status_line_escapes_what_the_engine_or_a_writer_put_in_a_version(service):
+    """A newline in STATUS= starts a new field: `WATCHDOG=trigger` would make systemd restart
+    the daemon, at every start. The engine reports whatever someone set as its version."""
+    start, engine, notify, _config, _root = service
+    engine.version = "x\nWATCHDOG=trigger"
+    daemon = start()
+    ready = notify.wait_for("READY=1")
+    assert "WATCHDOG=trigger" not in ready
+    assert any(f.startswith("STATUS=serving x\\nWATCHDOG=trigger since") for f in ready)
+    assert daemon.stop() == 0
+
+
+def test_service_starts_from_the_engine_when_the_state_file_is_corrupt(service, tmp_path):
+    start, _engine, notify, _config, _root = service
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "state.json").write_text("{not json")
+    daemon = start()
+    notify.wait_for("READY=1")
+    corrupt = daemon.wait_for("state.corrupt")
+    assert Path(str(corrupt["moved_to"])).read_text() == "{not json"
+    daemon.wait_for("engine.reconciled", version="step-1")
+    assert state.load(tmp_path / "s").serving is not None
+    assert daemon.stop() == 0

@@ -1,3 +1,4 @@
+import json
 import os
 
 import pytest
@@ -10,7 +11,7 @@ from vllm_reloader.service import state
 def sample() -> state.State:
     loaded = state.Loaded(name="step-2", version="step-2", path="/r/step-2", since=1.0, step=2)
     rejected = {"step-3": state.Rejection(version="step-3", reason="bad", fingerprint="f", at=2.0)}
-    return state.State(serving=loaded, last_good=loaded, rejected=rejected)
+    return state.State(serving=loaded, good=(loaded,), rejected=rejected)
 
 
 def test_state_round_trips(tmp_path):
@@ -48,3 +49,19 @@ def test_state_read_only_dir_is_a_state_error(tmp_path, monkeypatch):
     monkeypatch.setattr(durable.tempfile, "mkstemp", read_only)
     with pytest.raises(StateError, match="Read-only"):
         state.save(tmp_path, sample())
+
+
+def test_state_file_with_one_last_good_loads_as_a_history_of_one(tmp_path):
+    loaded = state.Loaded(name="step-2", version="step-2", path="/r/step-2", since=1.0, step=2)
+    (tmp_path / state.STATE_NAME).write_text(
+        json.dumps({"serving": loaded.model_dump(), "last_good": loaded.model_dump(), "rejected": {}})
+    )
+    assert state.load(tmp_path).good == (loaded,)
+
+
+def test_state_corrupt_file_is_moved_aside_not_fatal(tmp_path):
+    (tmp_path / state.STATE_NAME).write_text('{"serving": {"name": 3')
+    found, aside = state.load_or_set_aside(tmp_path)
+    assert found == state.State() and aside is not None
+    assert aside.name.startswith("state.json.corrupt-") and aside.read_text() == '{"serving": {"name": 3'
+    assert not (tmp_path / state.STATE_NAME).exists()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import threading
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from tests.support.store_fixtures import Bucket
 from vllm_reloader.checkpoint import gate
 from vllm_reloader.checkpoint.manifest import parse
 from vllm_reloader.errors import ObjectChanged
+from vllm_reloader.sources import download
 from vllm_reloader.sources.download import JOURNAL_NAME, Part, Plan, fetch
 from vllm_reloader.sources.objstore import Store
 
@@ -33,7 +36,7 @@ def uploaded(make_checkpoint: MakeCheckpoint, tmp_path: Path, bucket: Bucket) ->
 
 
 def run_fetch(store: Store, tmp_path: Path, get_part=None, plan: Plan = PLAN):
-    listing = store.list()
+    listing, _ = store.list()
     data, _ = store.get("step-9/manifest.json")
     manifest = parse(data)
     objects = {e.path: listing[f"step-9/{e.path}"] for e in manifest.files}
@@ -133,3 +136,28 @@ def test_download_stops_when_an_object_changes_underneath(uploaded, tmp_path, bu
     with pytest.raises(ObjectChanged, match="changed while being read"):
         run_fetch(store, tmp_path, replace_after_first, Plan(concurrency=1, part_size=4096, min_free_bytes=0))
     assert not (tmp_path / "cache" / "root" / "step-9").exists()
+
+
+def test_download_journals_a_part_only_after_its_bytes_are_synced(tmp_path, uploaded, monkeypatch):
+    """After a crash the journal's parts are read back, not fetched: one it names must not be
+    a hole in a file whose data never reached the disk."""
+    _checkpoint, store = uploaded
+    events: list[str] = []
+    real_sync = os.fdatasync
+
+    def sync(fd: int) -> None:
+        real_sync(fd)
+        events.append("sync")
+
+    class Journal(download._Journal):
+        def __init__(self, path: Path, resume: bool) -> None:
+            super().__init__(path, resume)
+            write = self._file.write
+            self._file.write = lambda line: (events.append("line"), write(line))[1]  # type: ignore[method-assign]
+
+    monkeypatch.setattr(download.os, "fdatasync", sync)
+    monkeypatch.setattr(download, "_Journal", Journal)
+    monkeypatch.setattr(download, "SYNC_BYTES", 1)  # each part synced and journaled at once
+    assert run_fetch(store, tmp_path).rejected == ""
+    order = "".join(event[0] for event in events)  # s: a sync, l: a journal line
+    assert re.fullmatch(r"(s+l)+", order), f"every part synced before its line is written: {order}"

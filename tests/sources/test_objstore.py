@@ -15,7 +15,7 @@ def test_objstore_endpoint_url_overrides_the_env(bucket: Bucket, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
     with pytest.raises(SourceError):
         Store(bucket.url, timeout=2).list()
-    assert list(Store(bucket.url, endpoint_url=bucket.endpoint).list()) == ["a/manifest.json"]
+    assert list(Store(bucket.url, endpoint_url=bucket.endpoint).list()[0]) == ["a/manifest.json"]
 
 
 def test_objstore_errors_are_one_line_with_the_store_code(s3_env):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import queue
 import threading
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from vllm_reloader.checkpoint import completeness, gate
 from vllm_reloader.checkpoint.completeness import Convention, DirectoryListing, Listed
 from vllm_reloader.checkpoint.files import INDEX_NAME
 from vllm_reloader.checkpoint.manifest import parse
+from vllm_reloader.service.control import Reply
 from vllm_reloader.service.daemon import Daemon
 from vllm_reloader.service.messages import ControlRequest
 from vllm_reloader.sources.objstore import Object, Store
@@ -309,9 +309,10 @@ def test_daemon_loads_from_the_bucket_and_keeps_only_what_it_may_need(
             bucket.put("step-5/manifest.json", json.dumps(manifest).encode())
             rejected = wait_for(logs, "checkpoint.rejected", name="step-5")
             assert rejected["check"] == "digests"
-            reply: queue.SimpleQueue[dict] = queue.SimpleQueue()
+            reply = Reply()
             daemon.inbox.put(ControlRequest({"command": "status"}, reply))
-            status = reply.get(timeout=5)
+            status = reply.wait(5)
+            assert status is not None
             assert status["serving"]["version"] == "step-4" and "step-5" in status["rejected"]
             assert status["source"] == {"url": bucket.url, "failing": {}}
         finally:
@@ -457,6 +458,48 @@ def test_retention_never_deletes_a_downloaded_checkpoint_waiting_to_load(tmp_pat
     serving = Loaded(
         name="step-2", version="step-2", path=str(cfg.checkpoint_root / "step-2"), since=0, step=2
     )
-    reloader.set_serving(serving, last_good=serving)
+    reloader.set_serving(serving, good=serving)
     reloader.prune_cache()
     assert sorted(p.name for p in cfg.checkpoint_root.iterdir()) == ["step-2", "step-3"]
+
+
+# -- odd keys, rewritten checkpoints -----------------------------------------------------------
+
+
+def test_remote_key_obstore_cannot_list_costs_only_that_object(tmp_path, bucket: Bucket, make_checkpoint):
+    """One `//` or `/../` key fails obstore's whole listing: the daemon lists per checkpoint,
+    and a checkpoint with our manifest is read by HEAD, never touching the odd key."""
+    harness = Harness(tmp_path, bucket.url)
+    for step in (5, 6):
+        bucket.upload_dir(
+            make_checkpoint(f"step-{step}", step=step, root=tmp_path / "src", seed=step), f"step-{step}"
+        )
+    bucket.put("step-6//stray", b"x")
+    bucket.put("step-7/../odd", b"y")
+    with structlog.testing.capture_logs() as logs:
+        harness.source.poll()
+        harness.source.poll()
+    assert harness.fetched() == ["step-6", "step-5"], "one per poll, newest first; the odd keys cost nothing"
+    bad = [e for e in logs if e["event"] == "source.bad_key"]
+    assert {e["name"] for e in bad} == {"step-6", "step-7"}, "each logged once, not per poll"
+    assert gate.check(harness.root / "step-6", serving=None).status == "ready"
+    assert not [e for e in logs if e["event"] == "source.failed"]
+
+
+def test_remote_checkpoint_rewritten_under_the_same_name_is_fetched_again(
+    tmp_path, bucket: Bucket, make_checkpoint
+):
+    harness = Harness(tmp_path, bucket.url)
+    first = make_checkpoint("a", step=5, root=tmp_path / "src", seed=1)
+    bucket.upload_dir(first, "step-5")
+    harness.source.poll()
+    assert harness.fetched() == ["step-5"]
+    second = make_checkpoint("b", step=5, root=tmp_path / "src", seed=2)
+    bucket.upload_dir(second, "step-5")  # same name, other bytes, another manifest ETag
+    harness.source.poll()
+    assert harness.fetched() == ["step-5", "step-5"]
+    placed = harness.root / "step-5"
+    assert (placed / "manifest.json").read_bytes() == (second / "manifest.json").read_bytes()
+    assert gate.check(placed, serving=None).status == "ready"
+    harness.source.poll()
+    assert harness.fetched() == ["step-5", "step-5"], "fetched once per rewrite"

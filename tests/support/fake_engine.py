@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 
+from vllm_reloader.checkpoint.files import changed
 from vllm_reloader.config import EngineConfig
 from vllm_reloader.engine.client import EXTENSION, EXTENSION_METHOD, EngineClient
 
@@ -30,6 +32,12 @@ class FakeEngine:
         """Checkpoint paths whose weights answer with NaN logprobs (a diverged run)."""
         self.fail: dict[str, Callable[[], httpx.Response]] = {}
         """endpoint (or 'reload:<path>') -> response factory, or raise inside it."""
+        self.during_load: Callable[[str], None] | None = None
+        """Runs while a checkpoint is being loaded (a writer acting mid-load)."""
+        self.read_bytes = False
+        """Read the shards of what is loaded, as a loader would: `held` says what was read."""
+        self.held: dict[str, bytes] = {}
+        """With `read_bytes`: each top-level shard's bytes as the load read them."""
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -71,9 +79,11 @@ class FakeEngine:
             if body["method"] == EXTENSION_METHOD:
                 if not self.extension:  # what vLLM answers for a method no worker has
                     return httpx.Response(500, json={"error": {"message": "no attribute"}})
-                self.loaded = body["kwargs"]["path"]
+                if problem := self._load(body["kwargs"]["path"], body["kwargs"].get("files")):
+                    return httpx.Response(500, json={"error": {"message": problem}})
                 return httpx.Response(200, json={"results": [{"loader": "extension", "bytes": 42}]})
-            self.loaded = body["kwargs"]["weights_path"]
+            if problem := self._load(body["kwargs"]["weights_path"], None):
+                return httpx.Response(500, json={"error": {"message": problem}})
             return httpx.Response(200, json={"results": [None]})
         if path == "/reset_prefix_cache":
             return httpx.Response(200, json={"success": True})
@@ -90,6 +100,25 @@ class FakeEngine:
             self.version = body["new_version"]
             return httpx.Response(200, json={"success": True})
         return httpx.Response(404)
+
+    def _load(self, path: str, files: dict[str, list[int]] | None) -> str | None:
+        """Like the extension: refuse files that are not the verified ones, read each shard
+        (by path, as vLLM's own loader does), fail if one changed while it was read."""
+        directory = Path(path)
+        if files is not None and (problem := changed(directory, {k: tuple(v) for k, v in files.items()})):
+            return f"not the verified checkpoint: {problem}"
+        self.loaded = path
+        if self.during_load is not None:
+            self.during_load(path)
+        if self.read_bytes:
+            try:
+                shards = sorted(p for p in directory.iterdir() if p.name.endswith(".safetensors"))
+                self.held = {p.name: p.read_bytes() for p in shards}
+            except OSError as exc:
+                return f"cannot read: {exc}"
+        if files is not None and (problem := changed(directory, {k: tuple(v) for k, v in files.items()})):
+            return f"changed while it was read: {problem}"
+        return None
 
     def client(self, **config: object) -> EngineClient:
         cfg = EngineConfig(url="http://engine.test", **config)  # type: ignore[arg-type]

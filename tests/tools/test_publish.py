@@ -6,6 +6,7 @@ import pytest
 from tests.support.checkpoints import write_weights
 from vllm_reloader.checkpoint import gate
 from vllm_reloader.errors import PublishError
+from vllm_reloader.tools import publish as publish_module
 from vllm_reloader.tools.publish import publish
 
 
@@ -98,3 +99,26 @@ def test_publish_into_s3_never_overwrites_a_version(src, bucket):
     # Two publishers racing past the existence check: the conditional create still refuses.
     with pytest.raises(PublishError, match="never overwritten"):
         Store(bucket.url).put("v1/manifest.json", b"{}", create_only=True)
+
+
+@pytest.mark.parametrize("failure", [OSError(5, "Input/output error"), KeyboardInterrupt()])
+def test_publish_move_puts_every_file_back_when_hashing_fails_after_the_move(
+    src, tmp_path, monkeypatch, failure
+):
+    """The trainer's own files: moved into the incoming directory, then the hash of one of
+    them fails; each goes back where it was, byte for byte, and nothing else is left."""
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    calls = {"n": 0}
+    real = publish_module._hash_and_sync
+
+    def fails_on_the_second(path):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise failure
+        return real(path)
+
+    monkeypatch.setattr(publish_module, "_hash_and_sync", fails_on_the_second)
+    with pytest.raises((PublishError, KeyboardInterrupt)):
+        publish(src, tmp_path / "root", step=3, move=True)
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+    assert list((tmp_path / "root").iterdir()) == []

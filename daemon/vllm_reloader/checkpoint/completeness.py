@@ -35,10 +35,14 @@ from .files import (
     INDEX_NAME,
     SINGLE_NAME,
     WEIGHT_SUFFIX,
+    Identity,
     is_top_level_shard,
+    open_regular,
+    read_small,
     size_from_header,
     weights_from_index,
 )
+from .files import identity as identity_of
 from .manifest import MANIFEST_NAME, Manifest, ManifestFile
 from .manifest import parse as parse_manifest
 
@@ -66,6 +70,8 @@ class Entry:
     size: int
     mtime: float
     regular: bool = True
+    identity: Identity | None = None
+    """On a filesystem: what the gate verifies and later readers compare."""
 
 
 class Listing(Protocol):
@@ -269,8 +275,13 @@ def check_files(listing: Listing, manifest: Manifest) -> Incomplete | None:
     return None
 
 
+def _entry(info: os.stat_result) -> Entry:
+    return Entry(info.st_size, info.st_mtime, stat.S_ISREG(info.st_mode), identity_of(info))
+
+
 class DirectoryListing:
-    """A checkpoint directory on a local (or mounted) filesystem, listed once."""
+    """A checkpoint directory on a local (or mounted) filesystem, listed once. Nothing is
+    followed through a symlink: a symlinked file is not a regular file here."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -282,7 +293,7 @@ class DirectoryListing:
             for item in entries:
                 info = item.stat(follow_symlinks=False)
                 if not stat.S_ISDIR(info.st_mode):
-                    found[item.name] = Entry(info.st_size, info.st_mtime, stat.S_ISREG(info.st_mode))
+                    found[item.name] = _entry(info)
         return found
 
     def top(self) -> Mapping[str, Entry]:
@@ -290,24 +301,20 @@ class DirectoryListing:
 
     def entry(self, path: str) -> Entry | None:
         try:
-            info = (self.directory / path).stat()
+            return _entry(os.lstat(self.directory / path))
         except FileNotFoundError:
             return None
-        return Entry(info.st_size, info.st_mtime, stat.S_ISREG(info.st_mode))
 
     def whole(self, name: str) -> bytes:
-        path = self.directory / name
-        if not stat.S_ISREG(path.lstat().st_mode):
-            raise IsADirectoryError(f"{name} is not a regular file")
-        with path.open("rb") as f:
-            return f.read(MAX_LISTING_BYTES)
+        return read_small(self.directory / name, MAX_LISTING_BYTES)
 
     def shard_size(self, name: str) -> int | None:
-        with (self.directory / name).open("rb") as f:
-            fd = f.fileno()
-            return size_from_header(
-                name, lambda start, end: os.pread(fd, end - start, start), os.fstat(fd).st_size
-            )
+        fd = open_regular(self.directory / name)
+        try:
+            size = os.fstat(fd).st_size
+            return size_from_header(name, lambda start, end: os.pread(fd, end - start, start), size)
+        finally:
+            os.close(fd)
 
     def last_change(self) -> float:
         times = [self.directory.stat().st_mtime]

@@ -1,5 +1,11 @@
 """A checkpoint's files as vLLM's loader sees them: which are shards, which shards an HF
-index names, and what each safetensors header promises (tensors, offsets, whole size).
+index names, what each safetensors header promises (tensors, offsets, whole size) — and
+the one way to open a file a writer controls.
+
+Every read of a writer's file goes through `open_regular`: no symlink followed, never
+blocking (a FIFO named `manifest.json` must not stall the daemon), regular files only,
+small files bounded (`read_small`). A file's `Identity` (device, inode, size, mtime,
+ctime) is what the gate verified; whoever reads it later compares before trusting it.
 
 Standard library only (and `errors`, which imports nothing): the worker extension runs
 inside the vLLM engine, where only torch and safetensors can be counted on, and reads
@@ -8,10 +14,13 @@ checkpoints through this module, so the engine and the daemon apply the same rul
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
+import stat
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +32,84 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 MAX_HEADER_BYTES = 100_000_000
 """safetensors caps its header at 100 MB; anything larger is not a header."""
+MAX_SMALL_BYTES = 16 << 20
+"""A manifest, an index, a marker or config.json: anything larger is not one."""
+OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# Bits per element, for every dtype safetensors knows (sub-byte floats pack several a byte).
+DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6,
+    "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
+    "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+}  # fmt: skip
+
+Identity = tuple[int, int, int, int, int]
+"""(device, inode, size, mtime_ns, ctime_ns): any write, truncation or replacement changes it."""
+
+
+def identity(info: os.stat_result) -> Identity:
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+
+def open_regular(path: Path) -> int:
+    """A file descriptor for `path`, only if it is a regular file reached without following a
+    symlink; opening never blocks. Raises OSError naming the file."""
+    fd = os.open(path, OPEN_FLAGS)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_exactly(fd: int, into: memoryview, offset: int) -> None:
+    """Fill `into` from `offset`; a file that ends first (truncated) is an OSError."""
+    done = 0
+    while done < len(into):
+        got = os.preadv(fd, [into[done:]], offset + done)
+        if got == 0:
+            raise OSError(errno.EIO, f"ended at {offset + done} bytes, {offset + len(into)} expected")
+        done += got
+
+
+def read_small(path: Path, limit: int = MAX_SMALL_BYTES) -> bytes:
+    """All of a small file (a manifest, an index, config.json). Raises OSError if it is larger."""
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
+        data = bytearray(size)
+        read_exactly(fd, memoryview(data), 0)
+        return bytes(data)
+    finally:
+        os.close(fd)
+
+
+def parse_json(data: bytes) -> Any:
+    """json.loads, where nesting too deep for the parser is invalid JSON like any other."""
+    try:
+        return json.loads(data)
+    except RecursionError as exc:
+        raise ValueError("JSON nested too deeply") from exc
+
+
+def changed(directory: Path, expected: Mapping[str, Identity]) -> str | None:
+    """The first file under `directory` whose identity is no longer the expected one."""
+    for name, want in expected.items():
+        try:
+            found = identity(os.lstat(directory / name))
+        except FileNotFoundError:
+            return f"{name} is gone"
+        if found != tuple(want):
+            return f"{name} changed (was {_describe_identity(want)}, now {_describe_identity(found)})"
+    return None
+
+
+def _describe_identity(found: Iterable[int]) -> str:
+    _dev, ino, size, mtime_ns, ctime_ns = found
+    return f"inode {ino}, {size} bytes, mtime {mtime_ns}, ctime {ctime_ns}"
 
 
 def is_top_level_shard(name: str) -> bool:
@@ -35,7 +122,7 @@ def weights_from_index(data: bytes) -> list[str] | str:
     """The shard names an HF index maps tensors to, or why it cannot be used.
     Raises `NotJSONYet` when the bytes are not (yet) JSON."""
     try:
-        index = json.loads(data)
+        index = parse_json(data)
     except ValueError as exc:
         raise NotJSONYet(f"{INDEX_NAME} is not valid JSON") from exc
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -82,7 +169,7 @@ def parse_header(file_name: str, raw: bytes, data_start: int) -> list[Tensor]:
     """The tensors a safetensors header (the JSON after its 8-byte length) lists, in header
     order. Raises `LayoutUnreadable` naming the file."""
     try:
-        header = json.loads(raw)
+        header = parse_json(raw)
     except ValueError as exc:
         raise LayoutUnreadable(f"{file_name}: unreadable safetensors header") from exc
     if not isinstance(header, dict):
@@ -105,43 +192,70 @@ def _header_length(file_name: str, prefix: bytes) -> int:
     return int(length)
 
 
-def _read_header(
-    file_name: str, read: Callable[[int, int], bytes], available: int
-) -> tuple[int, list[Tensor]] | None:
-    """(where the data starts, the tensors), or None while the header is not all there."""
+@dataclass(frozen=True)
+class Header:
+    data_start: int
+    """Where tensor data begins: after the 8-byte length and the JSON."""
+    tensors: list[Tensor]
+
+    @property
+    def whole_size(self) -> int:
+        return max((t.end for t in self.tensors), default=self.data_start)
+
+
+def read_header(file_name: str, read: Callable[[int, int], bytes], available: int) -> Header | None:
+    """The header of one safetensors file whose first `available` bytes can be read with
+    `read(start, end)` (local or remote); None while the header itself is not all there yet
+    (a writer still at it). Raises `LayoutUnreadable`."""
     if available < 8:
         return None
     length = _header_length(file_name, read(0, 8))
     if available < 8 + length:
         return None
-    return 8 + length, parse_header(file_name, read(8, 8 + length), 8 + length)
-
-
-def read_tensors(file_name: str, read: Callable[[int, int], bytes], available: int) -> list[Tensor] | None:
-    """The tensors of one safetensors file whose first `available` bytes can be read with
-    `read(start, end)` (local or remote); None while the header itself is not all there yet
-    (a writer still at it). Raises `LayoutUnreadable`."""
-    found = _read_header(file_name, read, available)
-    return None if found is None else found[1]
+    return Header(8 + length, parse_header(file_name, read(8, 8 + length), 8 + length))
 
 
 def size_from_header(file_name: str, read: Callable[[int, int], bytes], available: int) -> int | None:
     """The size a safetensors file has when whole, from its header; None while the header
     is not all there yet. Raises `LayoutUnreadable`."""
-    found = _read_header(file_name, read, available)
+    found = read_header(file_name, read, available)
+    return None if found is None else found.whole_size
+
+
+def header_in(fd: int, file_name: str) -> Header:
+    """The header of the safetensors file open at `fd` (LayoutUnreadable if it is cut short)."""
+    size = os.fstat(fd).st_size
+    found = read_header(file_name, lambda start, end: os.pread(fd, end - start, start), size)
     if found is None:
-        return None
-    data_start, tensors = found
-    return max((t.end for t in tensors), default=data_start)
+        raise LayoutUnreadable(f"{file_name}: too short for its safetensors header")
+    return found
 
 
 def tensors_of(path: Path) -> list[Tensor]:
-    """Every tensor of one safetensors file on disk. Raises `LayoutUnreadable` (a file too
-    short for its header included) or `OSError`."""
-    with path.open("rb") as f:
-        fd = f.fileno()
-        size = os.fstat(fd).st_size
-        found = read_tensors(path.name, lambda start, end: os.pread(fd, end - start, start), size)
-    if found is None:
-        raise LayoutUnreadable(f"{path.name}: too short for its safetensors header")
-    return found
+    """Every tensor of one safetensors file on disk. Raises `LayoutUnreadable` or `OSError`."""
+    fd = open_regular(path)
+    try:
+        return header_in(fd, path.name).tensors
+    finally:
+        os.close(fd)
+
+
+def layout_problem(file_name: str, header: Header, file_size: int) -> str | None:
+    """What safetensors itself would refuse in a header: an unknown dtype, a tensor whose
+    bytes do not fit its shape, a gap or overlap between tensors, data that does not end
+    exactly where the file does. Checked from the header alone, before any data is read."""
+    position = header.data_start
+    for tensor in sorted(header.tensors, key=lambda t: (t.start, t.end)):
+        bits = DTYPE_BITS.get(tensor.dtype)
+        if bits is None:
+            return f"{file_name}: tensor {tensor.name} has unknown dtype {tensor.dtype!r}"
+        elements = math.prod(tensor.shape)
+        if elements * bits % 8 or elements * bits // 8 != tensor.nbytes:
+            shape = f"{tensor.dtype}{list(tensor.shape)}"
+            return f"{file_name}: tensor {tensor.name} has {tensor.nbytes} bytes for {shape}"
+        if tensor.start != position:
+            return f"{file_name}: tensor {tensor.name} does not start where the one before ends"
+        position = tensor.end
+    if position != file_size:
+        return f"{file_name}: tensor data ends at byte {position}, the file at byte {file_size}"
+    return None

@@ -14,13 +14,7 @@ where a candidate is found.
 
 from __future__ import annotations
 
-import mmap
 from dataclasses import dataclass
-from pathlib import Path
-
-from .files import tensors_of
-
-CHUNK = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -66,8 +60,8 @@ def _candidates(tops: bytes, bits: _Bits, table: bytes) -> list[int]:
     return found
 
 
-def _has_non_finite(chunk: bytes, bits: _Bits, table: bytes) -> bool:
-    tops = chunk[bits.top :: bits.stride]
+def _has_non_finite(chunk: memoryview, bits: _Bits, table: bytes) -> bool:
+    tops = bytes(chunk[bits.top :: bits.stride])
     for index in _candidates(tops, bits, table):
         if not bits.low_mask:
             return True
@@ -76,16 +70,14 @@ def _has_non_finite(chunk: bytes, bits: _Bits, table: bytes) -> bool:
     return False
 
 
-def first_non_finite(path: Path) -> str | None:
-    """The first tensor (by name) of one safetensors file holding a NaN or Inf, or None."""
-    tensors = sorted((t for t in tensors_of(path) if t.dtype in DTYPES and t.nbytes), key=lambda t: t.name)
-    if not tensors:
-        return None
-    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        for tensor in tensors:
-            bits, table = DTYPES[tensor.dtype], _TABLES[tensor.dtype]
-            step = CHUNK - CHUNK % bits.stride
-            for offset in range(tensor.start, tensor.end, step):
-                if _has_non_finite(data[offset : min(offset + step, tensor.end)], bits, table):
-                    return tensor.name
-    return None
+def element_bytes(dtype: str) -> int:
+    """Bytes per element of a float dtype the scan knows; 0 for the others."""
+    bits = DTYPES.get(dtype)
+    return bits.stride if bits else 0
+
+
+def holds_non_finite(data: memoryview, dtype: str) -> bool:
+    """Whether these whole elements of a tensor of `dtype` hold a NaN or Inf (False for
+    dtypes that cannot: integers, booleans)."""
+    bits = DTYPES.get(dtype)
+    return bits is not None and _has_non_finite(data, bits, _TABLES[dtype])

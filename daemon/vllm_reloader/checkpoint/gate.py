@@ -1,46 +1,61 @@
 """The gate: proves a checkpoint directory is whole and loadable before the engine sees it.
 
 vLLM's `reload_weights` kills the engine on a truncated shard or a shape mismatch, so
-nothing passes here on a guess. `check` is a pure function of the directory, the layout
-being served and the clock; its verdict is data:
+nothing passes here on a guess. `check` is a function of the directory, the layout being
+served and the clock; its verdict is data:
 
-- `ready`: every check passed; the engine may load it.
+- `ready`: every check passed; the engine may load it — exactly these bytes: the verdict
+  carries each file's identity (device, inode, size, mtime, ctime), and whoever reads the
+  files later (the daemon before the pause and after the load, the worker extension while
+  it reads) compares them first.
 - `pending`: may still be being written (no manifest yet, a file missing or short, a
-  manifest that is not JSON yet); check again later.
+  manifest that is not JSON yet, a file that changed while it was read); check again later.
 - `rejected`: can never become loadable as described; not retried unless the manifest
   bytes change (`fingerprint`).
 
 What "whole" means depends on the writer (`completeness`: our manifest, HF's index, a
 marker file); a NeMo `<name>-unfinished` next to the directory holds it pending in any mode.
-Checks run cheapest first: schema, paths, sizes, safetensors headers, layout, digests,
-then no NaN/Inf in any float tensor (`finite`).
-Digests come last because they read every byte — which also warms the page cache right
-before the engine reads the same bytes.
+Checks run cheapest first: schema, paths, sizes, safetensors headers, layout, then one read
+of every byte for the digests and the NaN/Inf scan together (`scan`), which also warms the
+page cache right before the engine reads the same bytes. Any other error judging one
+checkpoint rejects that checkpoint (check `internal`); it never escapes.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import time
+import traceback
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import blake3
-from safetensors import SafetensorError, safe_open
-
 from ..config import Config
-from ..errors import LayoutUnreadable
-from . import completeness, finite, layout
-from .completeness import UNFINISHED_SUFFIX, Convention, DirectoryListing, Incomplete
-from .files import is_top_level_shard
-from .manifest import Manifest, ManifestFile, digest_mismatch, hashers, path_problem
+from ..errors import LayoutUnreadable, NotJSONYet
+from . import completeness, layout, scan
+from .completeness import UNFINISHED_SUFFIX, Convention, DirectoryListing, Incomplete, Listing
+from .files import (
+    INDEX_NAME,
+    Header,
+    Identity,
+    header_in,
+    is_top_level_shard,
+    layout_problem,
+    open_regular,
+    weights_from_index,
+)
+from .manifest import Manifest, ManifestFile, path_problem
 
 __all__ = ["GateOptions", "Verdict", "check"]
 
 Status = Literal["ready", "pending", "rejected"]
-READ_CHUNK = 8 << 20
+RACY_NS = 20_000_000
+"""A file last changed this recently may change again within the same timestamp tick
+(coarse kernel clocks tick every 1-10 ms) without its identity showing it (git's "racily
+clean" rule): the gate waits until the clock is past that before it reads."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +66,8 @@ class Verdict:
     fingerprint: str = ""
     """sha256 of the manifest bytes the verdict was reached on."""
     details: dict[str, object] = field(default_factory=dict)
+    files: Mapping[str, Identity] = field(default_factory=dict)
+    """`ready`: every file read (listed files and the one that says it is complete) as verified."""
 
     @property
     def bytes(self) -> int:
@@ -111,50 +128,65 @@ def _from_incomplete(found: Incomplete, manifest: Manifest | None = None, finger
     return _rejected(found.reason, manifest, found.fingerprint or fingerprint, check=found.check)
 
 
-def _check_headers(directory: Path, weights: list[Path]) -> str | None:
-    for path in weights:
+def _headers(directory: Path, manifest: Manifest) -> dict[str, Header] | str:
+    """Each shard's header, refused where safetensors would refuse it (read, never mapped)."""
+    found = {}
+    for item in manifest.files:
+        if not is_top_level_shard(item.path):
+            continue
+        fd = open_regular(directory / item.path)
         try:
-            with safe_open(str(path), framework="numpy"):
-                pass
-        except SafetensorError as exc:
-            return f"{path.name}: {exc}"
+            header = header_in(fd, item.path)
+        except LayoutUnreadable as exc:
+            return str(exc)
+        finally:
+            os.close(fd)
+        if problem := layout_problem(item.path, header, item.size):
+            return problem
+        found[item.path] = header
+    return found
+
+
+def _index_problem(listing: Listing, manifest: Manifest) -> str | None:
+    """vLLM's loader reads only the shards an HF index names, and trusts its names: an index
+    in the directory must be listed and name exactly the listed shards."""
+    if INDEX_NAME not in listing.top():
+        return None
+    listed = {e.path for e in manifest.files}
+    if INDEX_NAME not in listed:
+        return f"{INDEX_NAME} is in the directory but not listed (the engine would follow it)"
+    try:
+        names = weights_from_index(listing.whole(INDEX_NAME))
+    except NotJSONYet as exc:
+        return str(exc)
+    if isinstance(names, str):
+        return names
+    shards = {p for p in listed if is_top_level_shard(p)}
+    if set(names) != shards:
+        return f"{INDEX_NAME} names {sorted(names)}, the listed shards are {sorted(shards)}"
     return None
 
 
-def _hash_file(path: Path, entry: ManifestFile) -> str | None:
-    if entry.blake3 and not entry.sha256:
-        # blake3 alone: its Rust side reads the mmap with all cores (~3x one thread, stream).
-        state = blake3.blake3(max_threads=blake3.blake3.AUTO)
-        state.update_mmap(path)
-        return digest_mismatch(entry, {"blake3": state})
-    states = hashers(entry)
-    buffer = bytearray(READ_CHUNK)
-    view = memoryview(buffer)
-    with path.open("rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            for state in states.values():
-                state.update(view[:n])
-    return digest_mismatch(entry, states)
-
-
-def _check_digests(directory: Path, manifest: Manifest, threads: int) -> str | None:
-    todo = [e for e in manifest.files if e.sha256 or e.blake3]
-    if not todo:
+def _read_bytes(directory: Path, work: list[scan.Work], threads: int) -> scan.Found | None:
+    """Every byte once: digests and the NaN/Inf scan, largest files first (so one big shard
+    does not start last and finish alone)."""
+    if not work:
         return None
-    # Largest first, so one big shard does not start last and finish alone.
-    todo.sort(key=lambda e: e.size, reverse=True)
-    with ThreadPoolExecutor(max_workers=min(threads, len(todo))) as pool:
-        results = pool.map(lambda e: _hash_file(directory / e.path, e), todo)
+    work = sorted(work, key=lambda w: w.entry.size, reverse=True)
+    with ThreadPoolExecutor(max_workers=min(threads, len(work))) as pool:
+        results = pool.map(lambda w: scan.read(directory, w, bytearray(scan.CHUNK)), work)
         return next((r for r in results if r), None)
 
 
-def _check_finite(weights: list[Path], threads: int) -> str | None:
-    """After the digests, so it reads from a warm page cache."""
-    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(weights)))) as pool:
-        for path, tensor in zip(weights, pool.map(finite.first_non_finite, weights), strict=True):
-            if tensor is not None:
-                return f"{path.name}: tensor {tensor} holds NaN or Inf values (a diverged run?)"
-    return None
+def _settled(directory: Path) -> DirectoryListing:
+    """The listing, taken once no file's last change is within a timestamp tick of now."""
+    listing = DirectoryListing(directory)
+    newest = max((e.identity[4] for e in listing.top().values() if e.identity), default=0)
+    wait_ns = newest + RACY_NS - time.time_ns()
+    if wait_ns <= 0:
+        return listing
+    time.sleep(min(wait_ns, RACY_NS) / 1e9)
+    return DirectoryListing(directory)
 
 
 def check(
@@ -173,15 +205,34 @@ def check(
     except PermissionError as exc:
         return _rejected(f"cannot read {Path(exc.filename or directory).name}: permission denied", check="io")
     except OSError as exc:
-        # Symlink loops, I/O errors, non-regular manifests: nothing a retry would fix.
-        return _rejected(f"cannot read checkpoint: {exc.strerror or exc}", check="io")
+        # Symlink loops, I/O errors, special files: nothing a retry would fix.
+        where = Path(exc.filename).name if exc.filename else "checkpoint"
+        return _rejected(f"cannot read {where}: {exc.strerror or exc}", check="io")
+    except Exception as exc:  # a bug, or an input nobody thought of: this checkpoint only
+        return _rejected(
+            f"internal error while checking: {type(exc).__name__}: {exc}"[:500],
+            fingerprint=_fingerprint_or_empty(directory, options.convention),
+            check="internal",
+            traceback=traceback.format_exc(),
+        )
+
+
+def _fingerprint_or_empty(directory: Path, convention: Convention) -> str:
+    try:
+        return completeness.fingerprint(DirectoryListing(directory), convention)
+    except Exception:
+        return ""
 
 
 def _check(directory: Path, serving: layout.Layout | None, options: GateOptions, now: float) -> Verdict:
+    if not stat.S_ISDIR(os.lstat(directory).st_mode):
+        return _rejected(
+            f"{directory.name} is not a directory (a symlink is never a checkpoint)", check="paths"
+        )
     unfinished = directory.with_name(directory.name + UNFINISHED_SUFFIX)
     if unfinished.exists():
         return _pending(f"{unfinished.name} is there: the trainer (NeMo) has not finished it")
-    listing = DirectoryListing(directory)
+    listing = _settled(directory)
     listed = completeness.describe(listing, options.convention, now)
     if isinstance(listed, Incomplete):
         return _from_incomplete(listed)
@@ -190,12 +241,14 @@ def _check(directory: Path, serving: layout.Layout | None, options: GateOptions,
         return _rejected(problem, manifest, fp, check="paths")
     if incomplete := completeness.check_files(listing, manifest):
         return _from_incomplete(incomplete, manifest, fp)
-    weights = [directory / e.path for e in manifest.files if is_top_level_shard(e.path)]
-    if problem := _check_headers(directory, weights):
-        return _rejected(problem, manifest, fp, check="headers")
+    if options.convention.mode == "manifest" and (problem := _index_problem(listing, manifest)):
+        return _rejected(problem, manifest, fp, check="paths")
+    headers = _headers(directory, manifest)
+    if isinstance(headers, str):
+        return _rejected(headers, manifest, fp, check="headers")
     if serving is not None:
         try:
-            candidate = layout.read_layout(directory, weights)
+            candidate = layout.from_headers(headers.values(), layout.read_arch(directory))
         except LayoutUnreadable as exc:
             return _rejected(str(exc), manifest, fp, check="layout")
         if difference := layout.first_difference(candidate, serving):
@@ -203,10 +256,36 @@ def _check(directory: Path, serving: layout.Layout | None, options: GateOptions,
             return _rejected(
                 f"layout differs from serving: {reason}", manifest, fp, check="layout", tensor=tensor
             )
-    if options.verify_digests and (problem := _check_digests(directory, manifest, options.digest_threads)):
-        return _rejected(problem, manifest, fp, check="digests")
-    if options.check_finite and (problem := _check_finite(weights, options.digest_threads)):
-        return _rejected(problem, manifest, fp, check="finite")
-    if completeness.fingerprint(DirectoryListing(directory), options.convention) != fp:
+    files = _identities(listing, manifest, options.convention)
+    scanned = headers if options.check_finite else {}
+    checked = [
+        i if options.verify_digests else ManifestFile(path=i.path, size=i.size) for i in manifest.files
+    ]
+    work = [
+        scan.Work(item, files[item.path], scanned.get(item.path))
+        for item in checked
+        if item.sha256 or item.blake3 or item.path in scanned
+    ]
+    if (found := _read_bytes(directory, work, options.digest_threads)) is not None:
+        if found.check == "changed":
+            return _pending(found.reason, manifest, fp)
+        return _rejected(found.reason, manifest, fp, check=found.check)
+    again = DirectoryListing(directory)
+    if (
+        completeness.fingerprint(again, options.convention) != fp
+        or _identities(again, manifest, options.convention) != files
+    ):
         return _pending("checkpoint changed while it was being checked")
-    return Verdict("ready", "", manifest, fp)
+    return Verdict("ready", "", manifest, fp, files=files)
+
+
+def _identities(listing: Listing, manifest: Manifest, convention: Convention) -> dict[str, Identity]:
+    """Every listed file's identity, and that of the file that says it is complete."""
+    found = {}
+    signal = completeness.signal_name(listing.top(), convention)
+    for path in [item.path for item in manifest.files] + ([signal] if signal else []):
+        entry = listing.entry(path)
+        if entry is None or entry.identity is None:
+            raise FileNotFoundError(2, "No such file or directory", path)
+        found[path] = entry.identity
+    return found

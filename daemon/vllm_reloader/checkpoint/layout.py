@@ -7,13 +7,12 @@ headers and `config.json` alone, never from tensor data, so it costs microsecond
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import LayoutUnreadable
-from .files import WEIGHT_SUFFIX, tensors_of
+from .files import Header, is_top_level_shard, parse_json, read_small, tensors_of
 
 # The fields of config.json that fix the model's structure. Others (rope scaling, token
 # ids, dtype) either show up in the tensor shapes or are not reloaded by the engine at all.
@@ -44,12 +43,17 @@ def read_header(path: Path) -> dict[str, TensorSpec]:
     return {t.name: (t.dtype, t.shape) for t in tensors_of(path)}
 
 
+def from_headers(headers: Iterable[Header], arch: Mapping[str, object]) -> Layout:
+    return Layout(tensors={t.name: (t.dtype, t.shape) for h in headers for t in h.tensors}, arch=arch)
+
+
 def read_arch(directory: Path) -> dict[str, object]:
-    path = directory / "config.json"
-    if not path.exists():
+    try:
+        data = read_small(directory / "config.json")
+    except FileNotFoundError:
         return {}
     try:
-        config = json.loads(path.read_bytes())
+        config = parse_json(data)
     except ValueError as exc:
         raise LayoutUnreadable("config.json is not valid JSON") from exc
     if not isinstance(config, dict):
@@ -69,7 +73,7 @@ def read_served_layout(directory: Path) -> Layout:
 
     Reads the same files vLLM's loader reads: every top-level `*.safetensors`.
     """
-    files = sorted(directory.glob("*" + WEIGHT_SUFFIX))
+    files = sorted(p for p in directory.iterdir() if is_top_level_shard(p.name))
     if not files:
         raise LayoutUnreadable(f"{directory}: no .safetensors files")
     return read_layout(directory, files)

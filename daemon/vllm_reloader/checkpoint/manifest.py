@@ -18,6 +18,8 @@ from .files import is_top_level_shard
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
+MAX_STEP = 2**53
+"""Steps are exported as a float metric: beyond this they would not be exact."""
 
 
 class ManifestFile(BaseModel):
@@ -33,8 +35,11 @@ class Manifest(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     format_version: Literal[1]
-    version: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[^./\x00][^/\x00]*$")
-    step: int | None = None
+    version: str | None = Field(
+        None, min_length=1, max_length=200, pattern=r"^[^./\x00-\x1f\x7f-\x9f][^/\x00-\x1f\x7f-\x9f]*$"
+    )
+    """Reported as the engine's weight version and in systemd's STATUS: no control characters."""
+    step: int | None = Field(None, ge=-MAX_STEP, le=MAX_STEP)
     files: tuple[ManifestFile, ...] = Field(min_length=1)
 
     @property
@@ -48,6 +53,8 @@ def parse(data: bytes) -> Manifest:
         return Manifest.model_validate_json(data)
     except ValidationError as exc:
         first = exc.errors()[0]
+        if first["type"] == "json_invalid" and "recursion limit" in first["msg"]:
+            raise ManifestInvalid("manifest is nested too deeply") from exc
         if first["type"] in ("json_invalid", "json_type"):
             raise NotJSONYet(f"manifest is not valid JSON: {first['msg']}") from exc
         where = ".".join(str(p) for p in first["loc"]) or "manifest"
@@ -66,7 +73,7 @@ def hashers(entry: ManifestFile) -> dict[str, Any]:
     if entry.sha256:
         found["sha256"] = hashlib.sha256()
     if entry.blake3:
-        found["blake3"] = blake3.blake3()
+        found["blake3"] = blake3.blake3(max_threads=blake3.blake3.AUTO)  # all cores on big updates
     return found
 
 

@@ -15,12 +15,15 @@ from dataclasses import dataclass
 
 OrderKey = tuple[int, int, tuple[tuple[int, int | str], ...]]
 
-_DIGITS = re.compile(r"(\d+)")
+_DIGITS = re.compile(r"([0-9]+)")
 
 
 def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
-    """`step-9` < `step-10`: digit runs compare as numbers, the rest as text."""
-    return tuple((0, int(part)) if part.isdigit() else (1, part) for part in _DIGITS.split(name) if part)
+    """`step-9` < `step-10`: runs of ASCII digits compare as numbers, the rest (other
+    scripts' digits included) as text."""
+    return tuple(
+        (0, int(part)) if _DIGITS.fullmatch(part) else (1, part) for part in _DIGITS.split(name) if part
+    )
 
 
 def order_key(name: str, step: int | None) -> OrderKey:

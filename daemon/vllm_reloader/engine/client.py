@@ -7,6 +7,7 @@ it is `swap.hot_swap`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,14 +105,23 @@ class EngineClient:
     def resume(self) -> None:
         self._call("POST", "/resume")
 
-    def reload_weights(self, path: str, *, extension: bool = False) -> dict[str, Any] | None:
-        """vLLM's own `reload_weights`, or the extension's faster one, which answers with
-        what the load took (bytes, seconds, device memory), from the first worker."""
-        method = EXTENSION_METHOD if extension else "reload_weights"
+    def reload_weights(
+        self, path: str, *, extension: bool = False, files: Mapping[str, Sequence[int]] | None = None
+    ) -> dict[str, Any] | None:
+        """vLLM's own `reload_weights`, or the extension's, which reads only the files the
+        gate verified (`files`: their identities) and answers with what the load took
+        (bytes, seconds, device memory), from the first worker."""
+        if extension:
+            method = EXTENSION_METHOD
+            kwargs: dict[str, Any] = {"path": path}
+            if files is not None:
+                kwargs["files"] = {name: list(found) for name, found in files.items()}
+        else:
+            method, kwargs = "reload_weights", {"weights_path": path}
         body = self._call(
             "POST",
             "/collective_rpc",
-            json={"method": method, "kwargs": {"path" if extension else "weights_path": path}},
+            json={"method": method, "kwargs": kwargs},
             timeout=self.config.reload_timeout,
             # vLLM's route drops the connection after a worker error; a pooled one would make
             # the restore that follows fail on a dead socket. One connection per reload.

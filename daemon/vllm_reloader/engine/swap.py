@@ -9,12 +9,15 @@ mix of two checkpoints, instead of trusting the old version string.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from .. import failpoints
+from ..checkpoint.files import Identity
+from ..checkpoint.files import changed as files_changed
 from ..errors import EngineError, EngineUnavailable, ReloadFailed
 from .client import RELOADING_PREFIX, EngineClient
 
@@ -23,6 +26,13 @@ from .client import RELOADING_PREFIX, EngineClient
 class Target:
     version: str
     path: str
+    files: Mapping[str, Identity] | None = None
+    """Each file as the gate verified it: compared after the load (and by the extension
+    while it reads). None for a checkpoint never gated here (the engine's startup model)."""
+
+    def changed(self) -> str | None:
+        """Why the files are no longer the verified ones, or None."""
+        return None if self.files is None else files_changed(Path(self.path), self.files)
 
 
 @contextmanager
@@ -43,12 +53,18 @@ def hot_swap(
     strategy: Literal["inplace", "sleep"] = "inplace",
     extension: bool = False,
 ) -> dict[str, Any]:
-    """pause → mark reloading → reload_weights → reset prefix cache → set version → resume.
+    """pause → mark reloading → reload_weights → compare the files → reset prefix cache →
+    set version → resume.
 
     `sleep` (engines started with `--enable-sleep-mode`) wraps the reload: sleep level 2
     (weights and KV cache dropped, buffers kept) → wake the weights (same virtual addresses,
     so CUDA graphs stay valid) → reload → wake the KV cache. The KV cache's memory is free
-    for the loader's transient buffers, so no headroom beyond the weights is needed.
+    for the loader's transient buffers, so no headroom beyond the weights is needed. Once
+    asleep the weights are gone: any failure from then on loads the fallback back.
+
+    After the load, the target's files are compared with what the gate verified: a file
+    changed meanwhile may have been read half old, half new (vLLM's own loader reads by
+    path), so the fallback is loaded back (`ReloadFailed.changed`).
 
     `extension`: load through the worker extension; its report is returned under `load`.
 
@@ -68,23 +84,27 @@ def hot_swap(
             client.pause(client.config.pause_mode)
         failpoints.hit("after_pause")
         client.set_weight_version(RELOADING_PREFIX + target.version)
-        if strategy == "sleep":
-            with _timed(timings, "sleep"):
-                asleep = True
-                client.sleep(2, client.config.pause_mode)
-                client.wake_up(("weights",))
-        with _timed(timings, "reload"):
-            try:
-                load = client.reload_weights(target.path, extension=extension)
-            except EngineError as exc:
-                raise _restore(client, fallback, exc, extension) from exc
-        if load is not None:
-            timings["load"] = load
-        failpoints.hit("after_reload")
+        try:
+            if strategy == "sleep":
+                with _timed(timings, "sleep"):
+                    asleep = True
+                    client.sleep(2, client.config.pause_mode)
+                    client.wake_up(("weights",))
+            with _timed(timings, "reload"):
+                load = client.reload_weights(target.path, extension=extension, files=target.files)
+        except EngineError as exc:
+            raise _restore(client, fallback, str(exc), extension, woken=_wake(client, asleep)) from exc
         if asleep:
             with _timed(timings, "wake"):
                 client.wake_up(("kv_cache",))
                 asleep = False
+        if load is not None:
+            timings["load"] = load
+        failpoints.hit("after_reload")
+        if problem := target.changed():
+            raise _restore(
+                client, fallback, f"files changed during the reload: {problem}", extension, changed=True
+            )
         with _timed(timings, "reset"):
             client.reset_prefix_cache()
         client.set_weight_version(target.version)
@@ -96,6 +116,17 @@ def hot_swap(
     return timings
 
 
+def _wake(client: EngineClient, asleep: bool) -> bool:
+    """Wake everything after a sleep; whether the engine is awake now (True if it never slept)."""
+    if not asleep:
+        return True
+    try:
+        client.wake_up()
+    except EngineError:
+        return False
+    return True
+
+
 def _wake_all(client: EngineClient, on_failed: Callable[[EngineError], None]) -> None:
     try:
         client.wake_up()
@@ -104,14 +135,25 @@ def _wake_all(client: EngineClient, on_failed: Callable[[EngineError], None]) ->
 
 
 def _restore(
-    client: EngineClient, fallback: Target | None, cause: EngineError, extension: bool
+    client: EngineClient,
+    fallback: Target | None,
+    cause: str,
+    extension: bool,
+    *,
+    woken: bool = True,
+    changed: bool = False,
 ) -> ReloadFailed:
-    """The model may now hold a mix of old and new tensors: load the last good one back."""
-    engine_up = not isinstance(cause, EngineUnavailable)
-    if fallback is None:
-        return ReloadFailed(f"{cause}; no checkpoint to restore", restored=False, engine_up=engine_up)
+    """The model may now hold a mix of old and new tensors (or, after a sleep, none): load
+    the last good one back, if the engine is awake to take it."""
+    if fallback is None or not woken:
+        why = "no checkpoint to restore" if fallback is None else "the engine did not wake up"
+        return ReloadFailed(f"{cause}; {why}", restored=False, engine_up=woken, changed=changed)
     try:
-        client.reload_weights(fallback.path, extension=extension)
+        client.reload_weights(fallback.path, extension=extension, files=fallback.files)
+        if problem := fallback.changed():
+            raise ReloadFailed(
+                f"{fallback.version} changed while restoring it: {problem}", restored=False, engine_up=True
+            )
         client.reset_prefix_cache()
         client.set_weight_version(fallback.version)
     except EngineError as again:
@@ -119,8 +161,11 @@ def _restore(
             f"{cause}; restoring {fallback.version} failed too: {again}",
             restored=False,
             engine_up=not isinstance(again, EngineUnavailable),
+            changed=changed,
         )
-    return ReloadFailed(f"{cause}; restored {fallback.version}", restored=True, engine_up=True)
+    return ReloadFailed(
+        f"{cause}; restored {fallback.version}", restored=True, engine_up=True, changed=changed
+    )
 
 
 def _resume(client: EngineClient, on_failed: Callable[[EngineError], None]) -> None:

@@ -1,12 +1,18 @@
 """How the extension reads a checkpoint's tensors for `reload_weights(weights_iterator=…)`.
 
 vLLM's own iterator mmaps each shard and yields its tensors in file order (alphabetical:
-`layers.10` before `layers.2`), pageable memory, one page fault at a time. With an
-accelerator, here several threads `pread` the tensors, in the order the model's modules
-consume them, into a few reused pinned host buffers (the copy to the device is then a straight
+`layers.10` before `layers.2`), pageable memory, one page fault at a time. Here several
+threads `pread` the tensors, in the order the model's modules consume them, into a few
+reused host buffers (pinned with an accelerator: the copy to the device is then a straight
 DMA) while the model loads the ones before. Layer order also matters to vLLM's layerwise
-reload, which holds a layer's tensors on the device until the layer is complete. On CPU there
-is nothing to DMA: the tensors are zero-copy views of the page cache, in layer order.
+reload, which holds a layer's tensors on the device until the layer is complete.
+
+Never a mapping of a checkpoint file: a writer that truncates one would make a mapped read
+a SIGBUS, which kills the engine; a `pread` just comes back short and the load fails.
+Each file is opened once (no symlink, regular files only), its identity compared with the
+one the daemon's gate verified, and compared again once everything is read: any change —
+a rewrite in place, a truncation, a replacement (the old file's last link going moves its
+ctime) — fails the load before it returns, and the daemon puts the last good checkpoint back.
 
 A buffer is refilled only when no tensor but the pool's own refers to its storage: the
 layerwise loader keeps the tensors it was given until their layer is complete, so reusing
@@ -21,16 +27,26 @@ import math
 import os
 import re
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..checkpoint.files import INDEX_NAME, WEIGHT_SUFFIX, tensors_of, weights_from_index
+from .. import failpoints
+from ..checkpoint.files import (
+    INDEX_NAME,
+    Identity,
+    header_in,
+    identity,
+    is_top_level_shard,
+    open_regular,
+    read_exactly,
+    read_small,
+    weights_from_index,
+)
 
 CHUNK_BYTES = 32 << 20
 """Tensors are read in runs of about this many bytes, one run per buffer."""
@@ -52,20 +68,60 @@ class TensorRead:
     nbytes: int
     dtype: str
     shape: tuple[int, ...]
+    fd: int = -1
+    """The file, open once for the whole load."""
 
 
-def weight_files(directory: Path) -> list[Path]:
-    """The files vLLM's loader reads: those the index names, else every top-level shard."""
-    index = directory / INDEX_NAME
-    if not index.exists():
-        return sorted(directory.glob("*" + WEIGHT_SUFFIX))
-    names = weights_from_index(index.read_bytes())
+def weight_names(directory: Path, listed: Iterable[str] | None) -> list[str]:
+    """The shards to read: those an HF index names, else every top-level shard. With the
+    gate's list (`listed`), they must be exactly its shards; an index's names must be
+    top-level shards whatever it says (vLLM would follow an absolute path)."""
+    present = sorted(p.name for p in directory.iterdir() if is_top_level_shard(p.name))
+    try:
+        names = weights_from_index(read_small(directory / INDEX_NAME))
+    except FileNotFoundError:
+        names = present
     if isinstance(names, str):
         raise ValueError(names)
-    return [directory / name for name in names]
+    if bad := [n for n in names if not is_top_level_shard(n)]:
+        raise ValueError(
+            f"{INDEX_NAME} names {bad[0]!r}, not a top-level .safetensors file: nothing was loaded"
+        )
+    if listed is not None:
+        verified = sorted(n for n in listed if is_top_level_shard(n))
+        if sorted(names) != verified or present != verified:
+            raise ValueError(f"shards {sorted(names)} are not the verified {verified}: nothing was loaded")
+    return sorted(names)
 
 
-def plan(directory: Path) -> list[TensorRead]:
+@dataclass
+class Checkpoint:
+    """The shards of one checkpoint, each open once, with the identity it had when opened."""
+
+    directory: Path
+    opened: dict[str, tuple[int, Identity]] = field(default_factory=dict)
+
+    def open(self, name: str, expected: Sequence[int] | None) -> int:
+        fd = open_regular(self.directory / name)
+        found = identity(os.fstat(fd))
+        self.opened[name] = (fd, found)
+        if expected is not None and found != tuple(expected):
+            raise ValueError(f"{name} is not the file the gate verified (it changed): nothing was loaded")
+        return fd
+
+    def unchanged(self) -> None:
+        """Raises if any file changed since it was opened: what was read may be a mix."""
+        for name, (fd, found) in self.opened.items():
+            if identity(os.fstat(fd)) != found:
+                raise ValueError(f"{name} changed while it was read: the load is not the verified checkpoint")
+
+    def close(self) -> None:
+        for fd, _ in self.opened.values():
+            os.close(fd)
+        self.opened.clear()
+
+
+def plan(checkpoint: Checkpoint, files: Mapping[str, Sequence[int]] | None = None) -> list[TensorRead]:
     """Every tensor of the checkpoint, in file order, from the safetensors headers.
 
     Checked here, before the model is touched, that every file holds the bytes its header
@@ -73,25 +129,27 @@ def plan(directory: Path) -> list[TensorRead]:
     meta device first, so a reader failing halfway leaves a model nothing can serve from.
     Raises `ValueError` naming the file and tensor (`LayoutUnreadable` for a bad header)."""
     reads = []
-    for path in weight_files(directory):
-        size = path.stat().st_size
-        for tensor in tensors_of(path):
-            read = TensorRead(tensor.name, path, tensor.start, tensor.nbytes, tensor.dtype, tensor.shape)
+    for name in weight_names(checkpoint.directory, files):
+        fd = checkpoint.open(name, None if files is None else files[name])
+        path, size = checkpoint.directory / name, os.fstat(fd).st_size
+        for tensor in header_in(fd, name).tensors:
+            read = TensorRead(tensor.name, path, tensor.start, tensor.nbytes, tensor.dtype, tensor.shape, fd)
             if tensor.end > size:
                 raise ValueError(
-                    f"{path.name}: ends inside tensor {tensor.name} ({size} bytes): nothing was loaded"
+                    f"{name}: ends inside tensor {tensor.name} ({size} bytes): nothing was loaded"
                 )
             if read.dtype in DTYPES and read.nbytes != math.prod(read.shape) * DTYPES[read.dtype].itemsize:
                 shape = list(read.shape)
                 raise ValueError(
-                    f"{path.name}: tensor {tensor.name} has {read.nbytes} bytes for its shape {shape}"
+                    f"{name}: tensor {tensor.name} has {read.nbytes} bytes for its shape {shape}"
                 )
             reads.append(read)
     return reads
 
 
 def _natural(name: str) -> tuple[Any, ...]:
-    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+    """ASCII digit runs as numbers (other scripts' digits stay text: int() refuses some)."""
+    return tuple((0, int(p)) if p.isascii() and p.isdigit() else (1, p) for p in re.split(r"([0-9]+)", name))
 
 
 def layer_order(reads: Iterable[TensorRead], module_names: Sequence[str]) -> list[TensorRead]:
@@ -185,13 +243,10 @@ def _read_run(run: list[TensorRead], into: memoryview) -> float:
     started = time.perf_counter()
     place = 0
     for read in run:
-        with read.file.open("rb", buffering=0) as f:
-            done = 0
-            while done < read.nbytes:
-                got = os.preadv(f.fileno(), [into[place + done : place + read.nbytes]], read.offset + done)
-                if got == 0:
-                    raise OSError(f"{read.file.name}: ends inside tensor {read.name}")
-                done += got
+        try:
+            read_exactly(read.fd, into[place : place + read.nbytes], read.offset)
+        except OSError as exc:
+            raise OSError(f"{read.file.name}: ends inside tensor {read.name} ({exc.strerror})") from exc
         place += _aligned(read.nbytes)
     return time.perf_counter() - started
 
@@ -216,9 +271,14 @@ class LoadStats:
 
 
 def read_weights(
-    runs_: Sequence[list[TensorRead]], pool: BufferPool, threads: int, stats: LoadStats
+    runs_: Sequence[list[TensorRead]],
+    pool: BufferPool,
+    threads: int,
+    stats: LoadStats,
+    checkpoint: Checkpoint | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) in run order; `threads` runs are read ahead while earlier ones load."""
+    """(name, tensor) in run order; `threads` runs are read ahead while earlier ones load.
+    Once all are read, `checkpoint.unchanged()`: the load fails if a file changed meanwhile."""
     with ThreadPoolExecutor(threads, thread_name_prefix="reloader-read") as pool_threads:
         pending: list[tuple[list[TensorRead], _Buffer, Future[float]]] = []
 
@@ -231,6 +291,7 @@ def read_weights(
             submit(run)
             if len(pending) >= threads:
                 break
+        first = True
         while pending:
             run, buffer, future = pending.pop(0)
             started = time.perf_counter()
@@ -247,21 +308,8 @@ def read_weights(
                 stats.tensors += 1
                 yield name, tensor
                 del tensor  # the buffer is free once the model is done with it
-
-
-def mapped_weights(reads: Iterable[TensorRead], stats: LoadStats) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) in `reads` order, each a zero-copy view of the page cache (safetensors'
-    mmap): vLLM's own way of reading, in layer order."""
-    from safetensors import safe_open
-
-    with ExitStack() as files:
-        opened: dict[Path, Any] = {}
-        for read in reads:
-            if read.file not in opened:
-                opened[read.file] = files.enter_context(safe_open(str(read.file), framework="pt"))
-            started = time.perf_counter()
-            tensor = opened[read.file].get_tensor(read.name)
-            stats.read_s += time.perf_counter() - started
-            stats.bytes += tensor.nbytes
-            stats.tensors += 1
-            yield read.name, tensor
+            if first:
+                failpoints.hit("mid_load")  # the first run is in the model, the rest may not be read
+                first = False
+    if checkpoint is not None:
+        checkpoint.unchanged()

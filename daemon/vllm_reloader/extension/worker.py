@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .readers import DTYPES, BufferPool, LoadStats, layer_order, mapped_weights, plan, read_weights, runs
+from .readers import DTYPES, BufferPool, Checkpoint, LoadStats, layer_order, plan, read_weights, runs
 
 
 class DeviceMemory:
@@ -60,13 +60,18 @@ class ReloadExtension:
     device: torch.device
     reload_weights: Any
 
-    def reloader_load_checkpoint(self, path: str, reader: str = "") -> dict[str, Any]:
+    def reloader_load_checkpoint(
+        self, path: str, files: dict[str, list[int]] | None = None, reader: str = "buffered"
+    ) -> dict[str, Any]:
         """Reload the weights from the checkpoint at `path`, in place; what it took.
 
-        `reader`: `buffered` (threads, reused host buffers: the default with an accelerator,
-        whose copies from pinned memory are DMA) or `mapped` (zero-copy tensors over the page
-        cache: the default on CPU, where a copy into buffers is only extra work)."""
-        directory = Path(path)
+        `files`: each file's identity as the daemon's gate verified it (device, inode, size,
+        mtime_ns, ctime_ns): the shards read must be exactly those, unchanged, or nothing is
+        loaded; changed while read, the load fails. Tensors are read into reused host
+        buffers (pinned with an accelerator), never mapped (`reader` is accepted for older
+        daemons; `buffered` is the only one)."""
+        if reader != "buffered":
+            raise ValueError(f"reader {reader!r}: only buffered (a mapped read dies on a truncated file)")
         model = self.model_runner.get_model()
         memory = DeviceMemory(self.device)
         pool = _pool(self)
@@ -75,24 +80,21 @@ class ReloadExtension:
         before = memory.used()
         memory.reset_peak()
         started = time.perf_counter()
-        reads = layer_order(plan(directory), [name for name, _ in model.named_modules()])
-        if any(read.dtype not in DTYPES for read in reads) or getattr(model, "secondary_weights", None):
-            self.reload_weights(weights_path=path)  # not ours to read: vLLM's own path
-            return {"loader": "builtin", "seconds": time.perf_counter() - started}
-        reader = reader or ("buffered" if pool.pin else "mapped")
-        threads = int(os.environ.get("VLLM_RELOADER_LOAD_THREADS", min(8, os.cpu_count() or 1)))
-        if reader == "buffered":
-            weights = read_weights(runs(reads), pool, threads, stats)
-        elif reader == "mapped":
-            weights, threads = mapped_weights(reads, stats), 0
-        else:
-            raise ValueError(f"reader {reader!r}: not buffered or mapped")
-        self.reload_weights(weights_iterator=weights)
+        checkpoint = Checkpoint(Path(path))
+        try:
+            reads = layer_order(plan(checkpoint, files), [name for name, _ in model.named_modules()])
+            if any(read.dtype not in DTYPES for read in reads) or getattr(model, "secondary_weights", None):
+                self.reload_weights(weights_path=path)  # not ours to read: vLLM's own path
+                return {"loader": "builtin", "seconds": time.perf_counter() - started}
+            threads = int(os.environ.get("VLLM_RELOADER_LOAD_THREADS", min(8, os.cpu_count() or 1)))
+            self.reload_weights(weights_iterator=read_weights(runs(reads), pool, threads, stats, checkpoint))
+        finally:
+            checkpoint.close()
         model_config = self.vllm_config.model_config  # as vLLM's own reload from a path does
         model_config.model, model_config.model_weights, model_config.revision = path, "", None
         return {
             "loader": "extension",
-            "reader": reader,
+            "reader": "buffered",
             "seconds": round(time.perf_counter() - started, 4),
             "bytes": stats.bytes,
             "tensors": stats.tensors,
@@ -105,6 +107,7 @@ class ReloadExtension:
             "memory_before": before,
             "memory_after": memory.used(),
             "memory_peak": memory.peak(),
+            "verified": files is not None,
         }
 
 

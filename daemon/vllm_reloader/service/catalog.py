@@ -6,14 +6,17 @@ One owner, the reloader on the main loop; everyone else sees it through a snapsh
 
 from __future__ import annotations
 
+import os
+import stat
 import time
+import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
 
 from .. import log
 from ..checkpoint import completeness, order
 from ..checkpoint.completeness import Convention, DirectoryListing
-from ..sources import local
+from ..sources import cache, local
 from .reconcile import version_of
 from .state import Loaded, Rejection
 
@@ -37,6 +40,8 @@ class Catalog:
         self.dirty: set[str] = set()
         """Names something happened to since the last look (watcher events, downloads)."""
         self.last_scan = 0.0
+        self.skipped: set[str] = set()
+        """Names that can never be candidates, warned about once."""
         self.log = log.get()
 
     def configure(self, root: Path, ignore: Iterable[str], convention: Convention) -> None:
@@ -54,12 +59,17 @@ class Catalog:
     def refresh(self, names: Iterable[str]) -> None:
         for name in names:
             directory = self.root / name
-            if not directory.is_dir():
+            if (unusable := _unusable(name)) is not None:
+                if name not in self.skipped:
+                    self.skipped.add(name)
+                    self.log.warning("checkpoint.skipped", name=repr(name), reason=unusable)
+                continue
+            if not _real_directory(directory):  # gone, or a symlink: never a candidate
                 self.forget(name)
                 continue
             if name not in self.candidates:
                 self.log.info("checkpoint.seen", name=name, path=str(directory))
-            self.candidates[name] = completeness.candidate(name, DirectoryListing(directory), self.convention)
+            self.candidates[name] = _peek(name, directory, self.convention)
 
     def forget(self, name: str) -> None:
         self.candidates.pop(name, None)
@@ -93,6 +103,14 @@ class Catalog:
             for c in order.to_try(self.candidates, serving=serving_key, rejected=self.rejected_fingerprints())
         }
 
+    def prune(self, protected: set[str], serving_key: order.OrderKey | None, keep: int) -> None:
+        """Delete downloaded checkpoints but the protected, the pinned, those that would load
+        next (downloaded for that), and the `keep` newest others."""
+        protected = protected | self.newer_than(serving_key) | ({self.pinned} if self.pinned else set())
+        for name in cache.prune(self.root, cache.to_prune(self.candidates, protected=protected, keep=keep)):
+            self.forget(name)
+            self.log.info("cache.pruned", name=name, kept=sorted(protected))
+
     def note_pending(self, name: str, reason: str) -> None:
         if self.pending.get(name) != reason:
             self.pending[name] = reason
@@ -114,3 +132,31 @@ class Catalog:
         if name_or_version in self.candidates:
             return name_or_version
         return next((n for n in self.candidates if version_of(self.root / n) == name_or_version), None)
+
+
+def _unusable(name: str) -> str | None:
+    """Why a directory name can never be a checkpoint's: it becomes the weight version, a
+    state file key and a log field, so no undecodable bytes (they arrive as surrogates, and
+    the state file could not be written) and no control characters."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return "name is not valid UTF-8"
+    if any(unicodedata.category(char)[0] == "C" for char in name):
+        return "name holds control characters"
+    return None
+
+
+def _real_directory(directory: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(directory).st_mode)
+    except OSError:
+        return False
+
+
+def _peek(name: str, directory: Path, convention: Convention) -> order.Candidate:
+    """How it orders; nothing a writer puts in a manifest stops the loop here."""
+    try:
+        return completeness.candidate(name, DirectoryListing(directory), convention)
+    except Exception:  # the gate will say what is wrong with it, as a verdict
+        return order.Candidate(name, None, "")

@@ -2,11 +2,16 @@
 
 The server thread only parses a request and enqueues it with a reply slot; the main loop
 answers (so status is consistent and pin/unpin change state on the one thread that acts).
+A request is either answered with its outcome or not applied at all: the loop claims the
+slot before acting, the server thread abandons it when its wait runs out, and only one of
+the two can win. A client has `READ_TIMEOUT` to send its line; at most `MAX_CLIENTS` are
+served at once, the next one is told the daemon is busy.
 Access is the socket's file mode (0660): whoever may write to it may steer the daemon.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -17,31 +22,99 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import ControlError
+from ..errors import ConfigError, ControlError
 
 COMMANDS = ("status", "reload", "pin", "unpin")
 ANSWER_TIMEOUT = 30.0
+READ_TIMEOUT = 5.0
+MAX_CLIENTS = 16
+MAX_PATH_BYTES = 107
+"""sun_path holds 108 bytes, the terminating NUL included."""
 
 
 Request = dict[str, Any]
 
 
-class ControlServer:
-    """Accepts requests on `path` and hands each to `enqueue(request, reply_queue)`."""
+class Reply:
+    """One request's answer slot, shared by a server thread and the loop."""
 
-    def __init__(self, path: Path, enqueue: Callable[[Request, Any], None]) -> None:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state = "waiting"
+        self._answer: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+
+    def claim(self) -> bool:
+        """The loop, before acting: False when the client was already told it timed out."""
+        with self._lock:
+            if self._state != "waiting":
+                return False
+            self._state = "claimed"
+            return True
+
+    def put(self, answer: dict[str, Any]) -> None:
+        self._answer.put(answer)
+
+    def wait(self, timeout: float) -> dict[str, Any] | None:
+        """The answer; None when the loop had not claimed the request in time (so it never will)."""
+        try:
+            return self._answer.get(timeout=timeout)
+        except queue.Empty:
+            with self._lock:
+                if self._state == "waiting":
+                    self._state = "abandoned"
+                    return None
+        return self._answer.get(timeout=timeout)  # claimed just now: the answer is being made
+
+
+class _Server(socketserver.ThreadingUnixStreamServer):
+    daemon_threads = True
+
+    def __init__(self, path: str, handler: type[socketserver.BaseRequestHandler]) -> None:
+        self.slots = threading.BoundedSemaphore(MAX_CLIENTS)
+        super().__init__(path, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            with contextlib.suppress(OSError):
+                request.sendall(b'{"ok": false, "error": "busy: too many control clients at once"}\n')
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that went away or said nothing is not the daemon's error."""
+
+
+class ControlServer:
+    """Accepts requests on `path` and hands each to `enqueue(request, reply)`."""
+
+    def __init__(self, path: Path, enqueue: Callable[[Request, Reply], None]) -> None:
         self.path = path
 
         class Handler(socketserver.StreamRequestHandler):
+            timeout = READ_TIMEOUT
+
             def handle(self) -> None:
                 answer = _answer(self.rfile.readline(1 << 16), enqueue)
                 self.wfile.write(json.dumps(answer).encode() + b"\n")
 
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.unlink(missing_ok=True)
-        self._server = socketserver.ThreadingUnixStreamServer(str(path), Handler)
-        self._server.daemon_threads = True
-        os.chmod(path, 0o660)
+        if len(os.fsencode(path)) > MAX_PATH_BYTES:
+            raise ConfigError(
+                f"control.socket {path}: longer than the {MAX_PATH_BYTES} bytes a unix socket path may have"
+            )
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.unlink(missing_ok=True)
+            self._server = _Server(str(path), Handler)
+            os.chmod(path, 0o660)
+        except OSError as exc:
+            raise ConfigError(f"control.socket {path}: cannot listen: {exc.strerror or exc}") from exc
         self._thread = threading.Thread(target=self._server.serve_forever, name="control", daemon=True)
 
     def start(self) -> None:
@@ -51,24 +124,25 @@ class ControlServer:
         return self._thread.is_alive()
 
     def close(self) -> None:
-        self._server.shutdown()
+        if self._thread.is_alive():
+            self._server.shutdown()
         self._server.server_close()
         self.path.unlink(missing_ok=True)
 
 
-def _answer(line: bytes, enqueue: Callable[[Request, Any], None]) -> dict[str, Any]:
+def _answer(line: bytes, enqueue: Callable[[Request, Reply], None]) -> dict[str, Any]:
     try:
         request = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         return {"ok": False, "error": "request is not JSON"}
     if not isinstance(request, dict) or request.get("command") not in COMMANDS:
         return {"ok": False, "error": f"command must be one of {', '.join(COMMANDS)}"}
-    reply: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+    reply = Reply()
     enqueue(request, reply)
-    try:
-        return reply.get(timeout=ANSWER_TIMEOUT)
-    except queue.Empty:
-        return {"ok": False, "error": "the daemon did not answer in time"}
+    answer = reply.wait(ANSWER_TIMEOUT)
+    if answer is None:
+        return {"ok": False, "error": "the daemon did not answer in time; nothing was applied"}
+    return answer
 
 
 def call(path: Path, command: str, **fields: Any) -> dict[str, Any]:
@@ -77,7 +151,9 @@ def call(path: Path, command: str, **fields: Any) -> dict[str, Any]:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(ANSWER_TIMEOUT + 5)
             sock.connect(str(path))
-            sock.sendall(json.dumps({"command": command, **fields}).encode() + b"\n")
+            # A busy daemon answers at once and hangs up: its answer is still there to read.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                sock.sendall(json.dumps({"command": command, **fields}).encode() + b"\n")
             data = b""
             while not data.endswith(b"\n"):
                 chunk = sock.recv(1 << 16)

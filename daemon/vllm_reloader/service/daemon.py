@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Protocol
 
 from .. import config as config_mod
 from .. import log
@@ -41,6 +42,14 @@ from .reloader import Reloader
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
+class Helper(Protocol):
+    """The lifecycle every thread the loop relies on shares."""
+
+    def start(self) -> None: ...
+    def close(self) -> None: ...
+    def is_alive(self) -> bool: ...
+
+
 class Daemon:
     def __init__(
         self,
@@ -56,6 +65,7 @@ class Daemon:
         self.stop = threading.Event()
         self.log = log.get()
         self.notifier = notifier or Notifier()
+        _make_root(config)
         self.reloader = Reloader(config, client or EngineClient(config.engine), self.inbox.put)
         self.watcher = self._make_watcher(config)
         self.remote = self._make_remote(config)
@@ -65,6 +75,7 @@ class Daemon:
         self.ready_sent = False
         self.stopping_since: float | None = None
         self.last_status = ""
+        self.exit_code = 0
 
     def _make_watcher(self, config: Config) -> local.Watcher:
         return local.Watcher(
@@ -97,14 +108,14 @@ class Daemon:
     # -- the loop ---------------------------------------------------------------------------
 
     def run(self) -> int:
-        self.config.checkpoint_root.mkdir(parents=True, exist_ok=True)
+        """Until SIGTERM (exit 0), or until a helper thread dies (exit 1: systemd restarts us)."""
+        if self.config.metrics.listen:
+            self.reloader.metrics.serve(self.config.metrics.listen)
         self.watcher.start()
         if self.remote:
             self.remote.start()
         self.reloader.start()
         self.control.start()
-        if self.config.metrics.listen:
-            self.reloader.metrics.serve(self.config.metrics.listen)
         self.log.info(
             "daemon.started",
             root=str(self.config.checkpoint_root),
@@ -116,6 +127,9 @@ class Daemon:
             while not self.stop.is_set():
                 self._step()
                 self._wait()
+        except Exception:  # a bug: say so with the traceback, exit 1, and systemd restarts us
+            self.log.exception("daemon.crashed")
+            self.exit_code = 1
         finally:
             self.control.close()
             if self.remote:
@@ -123,10 +137,27 @@ class Daemon:
             self.watcher.close()
             self.reloader.close()
             serving = self.reloader.served.serving
-            self.log.info("daemon.stopped", serving=serving.version if serving else None)
-        return 0
+            self.log.info(
+                "daemon.stopped", serving=serving.version if serving else None, exit_code=self.exit_code
+            )
+        return self.exit_code
+
+    def _dead_helper(self) -> str | None:
+        helpers: dict[str, Helper] = {
+            "watcher": self.watcher,
+            "reload thread": self.reloader,
+            "control socket": self.control,
+        }
+        if self.remote is not None:
+            helpers["object store"] = self.remote
+        return next((name for name, helper in helpers.items() if not helper.is_alive()), None)
 
     def _step(self) -> None:
+        if (dead := self._dead_helper()) is not None:  # never run on with a silent dead thread
+            self.log.error("daemon.thread_died", thread=dead, action="exiting 1; systemd restarts the daemon")
+            self.exit_code = 1
+            self.stop.set()
+            return
         if self.stopping_since is None:
             self.reloader.tick()
         elif self.reloader.in_flight is None or time.monotonic() > self._stop_deadline():
@@ -208,7 +239,8 @@ class Daemon:
             case ReloadFinished(outcome):
                 self.reloader.finished(outcome)
             case ControlRequest(request, reply):
-                reply.put(self._control(request))
+                if reply.claim():  # else its client was told it timed out: do nothing
+                    reply.put(self._control(request))
             case SignalReceived(signum):
                 self._signal(signum)
             case _:
@@ -267,7 +299,7 @@ class Daemon:
                 self.remote.close()
             self.remote = remote
             self.watcher.close()
-            new.checkpoint_root.mkdir(parents=True, exist_ok=True)
+            _make_root(new)
             self.watcher = self._make_watcher(new)
             self.watcher.start()
             if self.remote:
@@ -276,3 +308,13 @@ class Daemon:
         self.reloader.reconfigure(new)
         self.log.info("config.reloaded", path=str(self.config_path))
         self.notifier.ready(status.line(self.snapshot()))
+
+
+def _make_root(config: Config) -> None:
+    root = config.checkpoint_root
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as exc:
+        raise ConfigError(f"source.path {root}: exists and is not a directory") from exc
+    except OSError as exc:
+        raise ConfigError(f"source.path {root}: cannot create it: {exc.strerror or exc}") from exc

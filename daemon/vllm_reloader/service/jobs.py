@@ -15,12 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from .. import failpoints
 from ..checkpoint.order import Candidate
 from ..config import CanaryConfig
 from ..engine import canary
 from ..engine.client import EngineClient
 from ..engine.swap import Target, hot_swap
-from ..errors import EngineError
+from ..errors import EngineError, ReloadFailed
+from .state import Loaded
 
 FLUSH_PROBES = 5
 
@@ -30,13 +32,19 @@ class Job:
     client: EngineClient
     candidate: Candidate
     target: Target
-    fallback: Target | None
+    rollback: Loaded | None
+    """What a failure goes back to (picked intact when the job was made)."""
     size: int
     canary: CanaryConfig = field(default_factory=CanaryConfig)
     strategy: Literal["inplace", "sleep"] = "inplace"
     extension: bool = False
     """Load through the worker extension (`engine.client.EXTENSION`)."""
     started: float = field(default_factory=time.monotonic)
+
+    @property
+    def fallback(self) -> Target | None:
+        back = self.rollback
+        return None if back is None else Target(back.version, back.path, back.files)
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,8 @@ class Outcome:
     rolled_back: bool = False
     flush_probes: int = 0
     """Probes after the rollback until one passed (0: none did)."""
+    changed: str | None = None
+    """The files were no longer the verified ones before the pause: nothing was sent."""
 
 
 class ReloadWorker:
@@ -74,25 +84,38 @@ class ReloadWorker:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            resume_errors: list[EngineError] = []
             started = time.perf_counter()
             try:
-                timings = hot_swap(
-                    job.client,
-                    job.target,
-                    fallback=job.fallback,
-                    on_resume_failed=resume_errors.append,
-                    strategy=job.strategy,
-                    extension=job.extension,
+                outcome = self._one(job, started)
+            except Exception as exc:  # a bug: the loop must hear of it; hot_swap has resumed
+                failed = ReloadFailed(
+                    f"internal error: {type(exc).__name__}: {exc}", restored=False, engine_up=True
                 )
-                outcome = Outcome(job, time.perf_counter() - started, timings=timings)
-            except EngineError as exc:
-                outcome = Outcome(job, time.perf_counter() - started, error=exc)
-            if outcome.error is None and job.canary.enabled:
-                outcome = self._canary(job, outcome, resume_errors)
-            if resume_errors:
-                outcome = replace(outcome, resume_error=resume_errors[0])
+                outcome = Outcome(job, time.perf_counter() - started, error=failed)
             self._post(outcome)
+
+    def _one(self, job: Job, started: float) -> Outcome:
+        failpoints.hit("after_gate")
+        if problem := job.target.changed():
+            return Outcome(job, 0.0, changed=problem)
+        resume_errors: list[EngineError] = []
+        try:
+            timings = hot_swap(
+                job.client,
+                job.target,
+                fallback=job.fallback,
+                on_resume_failed=resume_errors.append,
+                strategy=job.strategy,
+                extension=job.extension,
+            )
+            outcome = Outcome(job, time.perf_counter() - started, timings=timings)
+        except EngineError as exc:
+            outcome = Outcome(job, time.perf_counter() - started, error=exc)
+        if outcome.error is None and job.canary.enabled:
+            outcome = self._canary(job, outcome, resume_errors)
+        if resume_errors:
+            outcome = replace(outcome, resume_error=resume_errors[0])
+        return outcome
 
     def _canary(self, job: Job, outcome: Outcome, resume_errors: list[EngineError]) -> Outcome:
         started = time.perf_counter()

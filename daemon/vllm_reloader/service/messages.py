@@ -8,11 +8,11 @@ dispatches on the type with `match`.
 
 from __future__ import annotations
 
-import queue
 from dataclasses import dataclass
 from typing import Any
 
 from ..sources.remote import Downloaded, Rejected
+from .control import Reply
 from .jobs import Outcome
 
 
@@ -32,10 +32,10 @@ class ReloadFinished:
 
 @dataclass(frozen=True)
 class ControlRequest:
-    """A parsed control-socket request; the loop puts the answer on `reply`."""
+    """A parsed control-socket request; the loop claims `reply` before acting, then answers."""
 
     request: dict[str, Any]
-    reply: queue.SimpleQueue[dict[str, Any]]
+    reply: Reply
 
 
 @dataclass(frozen=True)

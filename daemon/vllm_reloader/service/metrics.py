@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from ..errors import ConfigError
+
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -34,7 +36,15 @@ class Metrics:
             "vllm_reloader_rollbacks", "Last good checkpoint loaded back, by cause", ["cause"], registry=r
         )
         self.engine_up = Gauge("vllm_reloader_engine_up", "1 when the engine answers", registry=r)
+        self.rollback_ready = Gauge(
+            "vllm_reloader_rollback_ready",
+            "1 while an intact checkpoint to roll back to exists, 0 when none is left",
+            registry=r,
+        )
 
     def serve(self, listen: str) -> None:
         host, _, port = listen.rpartition(":")
-        start_http_server(int(port), addr=host.strip("[]") or "127.0.0.1", registry=self.registry)
+        try:
+            start_http_server(int(port), addr=host.strip("[]") or "127.0.0.1", registry=self.registry)
+        except OSError as exc:
+            raise ConfigError(f"metrics.listen {listen}: cannot listen: {exc.strerror or exc}") from exc

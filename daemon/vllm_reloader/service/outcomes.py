@@ -31,8 +31,8 @@ class Rejecting:
 
 @dataclass(frozen=True)
 class Decision:
-    result: Literal["succeeded", "failed"]
-    """The reloads metric's label."""
+    result: Literal["succeeded", "failed", "changed"]
+    """The reloads metric's label (`changed`: a writer changed the files; nothing to blame)."""
     events: tuple[Event, ...] = ()
     """Logged in this order."""
     resume_owed: bool = False
@@ -48,55 +48,51 @@ class Decision:
     engine_down: EngineError | None = None
     reloaded: Mapping[str, Any] = field(default_factory=dict)
     """On success: seconds and bytes, for the metrics and `status`."""
+    regate: str | None = None
+    """A candidate whose files changed under the reload: gate it again once it settles."""
 
 
-def decide(outcome: Outcome, *, believed: Loaded | None, now: float) -> Decision:
-    """`believed`: the checkpoint the daemon had as its rollback target (last good, else
-    serving), to tell whether a rollback put exactly that one back."""
+def decide(outcome: Outcome, *, now: float) -> Decision:
     job = outcome.job
     version, path = job.target.version, job.target.path
     events: list[Event] = []
     if outcome.resume_error is not None:
         events.append(Event("error", "engine.resume_failed", {"reason": str(outcome.resume_error)}))
     owed = outcome.resume_error is not None
+    if outcome.changed is not None:
+        events.append(_changed(outcome, outcome.changed, "before_pause"))
+        return Decision("changed", tuple(events), owed, regate=job.candidate.name)
     if outcome.canary_failed is not None:
-        return _canary_failed(outcome, events, owed, believed, now)
+        return _canary_failed(outcome, events, owed, now)
     error = outcome.error
     if isinstance(error, ReloadFailed):
-        events.append(
-            Event(
-                "error",
-                "reload.failed",
-                {"version": version, "path": path, "reason": str(error), "restored": error.restored},
-            )
-        )
+        failed = {"version": version, "path": path, "reason": str(error), "restored": error.restored}
+        events.append(Event("error", "reload.failed", failed))
         rolled_back = error.restored and job.fallback is not None
+        cause = "changed" if error.changed else "reload"
         if rolled_back and job.fallback is not None:
-            events.append(
-                Event(
-                    "warning",
-                    "reload.rolled_back",
-                    {"version": version, "to_version": job.fallback.version, "cause": "reload"},
-                )
-            )
-        reject = (
-            Rejecting(
-                job.candidate.name,
-                version,
-                f"reload_weights failed: {error}",
-                job.candidate.fingerprint,
-                "reload",
-            )
-            if error.engine_up
-            else None
+            fields = {"version": version, "to_version": job.fallback.version, "cause": cause}
+            events.append(Event("warning", "reload.rolled_back", fields))
+        if error.changed:
+            events.append(_changed(outcome, str(error), "after_load"))
+        blame = Rejecting(
+            job.candidate.name,
+            version,
+            f"reload_weights failed: {error}",
+            job.candidate.fingerprint,
+            "reload",
         )
+        back = job.rollback.model_copy(update={"since": now}) if rolled_back and job.rollback else None
         return Decision(
-            "failed",
+            "changed" if error.changed else "failed",
             tuple(events),
             owed,
-            rollback="reload" if rolled_back else None,
-            reject=reject,
+            rollback=cause if rolled_back else None,
+            reject=blame if error.engine_up and not error.changed else None,
+            serving=back,
+            set_serving=back is not None,
             engine_down=None if error.restored else error,
+            regate=job.candidate.name if error.changed else None,
         )
     if error is not None:
         events.append(
@@ -107,7 +103,10 @@ def decide(outcome: Outcome, *, believed: Loaded | None, now: float) -> Decision
             )
         )
         return Decision("failed", tuple(events), owed, engine_down=error)
-    loaded = Loaded(name=job.candidate.name, version=version, path=path, since=now, step=job.candidate.step)
+    files = dict(job.target.files) if job.target.files is not None else None
+    loaded = Loaded(
+        name=job.candidate.name, version=version, path=path, since=now, step=job.candidate.step, files=files
+    )
     seconds = outcome.seconds
     events.append(
         Event(
@@ -140,9 +139,7 @@ def decide(outcome: Outcome, *, believed: Loaded | None, now: float) -> Decision
     )
 
 
-def _canary_failed(
-    outcome: Outcome, events: list[Event], owed: bool, believed: Loaded | None, now: float
-) -> Decision:
+def _canary_failed(outcome: Outcome, events: list[Event], owed: bool, now: float) -> Decision:
     """Loaded, but the engine answered like broken weights: reject it; the reload thread has
     already loaded the fallback back when there was one."""
     job, reason = outcome.job, f"canary: {outcome.canary_failed}"
@@ -162,15 +159,9 @@ def _canary_failed(
                 },
             )
         )
-        back = believed is not None and believed.version == job.fallback.version
+        back = job.rollback.model_copy(update={"since": now}) if job.rollback else None
         return Decision(
-            "failed",
-            tuple(events),
-            owed,
-            rollback="canary",
-            reject=reject,
-            serving=believed,
-            set_serving=back,
+            "failed", tuple(events), owed, rollback="canary", reject=reject, serving=back, set_serving=True
         )
     if outcome.error is not None:  # the rollback itself failed: the engine is down or wedged
         events.append(
@@ -185,3 +176,9 @@ def _canary_failed(
         name=job.candidate.name, version=version, path=job.target.path, since=now, step=job.candidate.step
     )
     return Decision("failed", tuple(events), owed, reject=reject, serving=stays, set_serving=True)
+
+
+def _changed(outcome: Outcome, reason: str, when: str) -> Event:
+    job = outcome.job
+    fields = {"name": job.candidate.name, "version": job.target.version, "reason": reason, "when": when}
+    return Event("warning", "checkpoint.changed", fields)

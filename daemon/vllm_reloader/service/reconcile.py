@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ..checkpoint import layout, order
+from ..checkpoint.files import read_small
 from ..checkpoint.manifest import MANIFEST_NAME
 from ..checkpoint.manifest import parse as parse_manifest
 from ..engine.client import RELOADING_PREFIX, STARTUP_VERSION
@@ -19,8 +20,9 @@ from .state import Loaded
 
 
 def version_of(directory: Path) -> str:
+    """The manifest's version, else the directory name (read like any writer's file)."""
     try:
-        return parse_manifest((directory / MANIFEST_NAME).read_bytes()).version or directory.name
+        return parse_manifest(read_small(directory / MANIFEST_NAME)).version or directory.name
     except (OSError, NotJSONYet, ManifestInvalid):
         return directory.name
 

@@ -17,11 +17,10 @@ from .. import failpoints, log
 from ..checkpoint import gate, order
 from ..checkpoint.manifest import MANIFEST_NAME
 from ..config import Config
-from ..engine.client import RELOADING_PREFIX, STARTUP_VERSION, EngineClient
+from ..engine.client import EXTENSION, RELOADING_PREFIX, STARTUP_VERSION, EngineClient
 from ..engine.swap import Target
 from ..errors import EngineCallFailed, EngineError, EngineUnavailable, StateError
-from ..sources import cache
-from . import outcomes, reconcile
+from . import outcomes, reconcile, rollback
 from . import state as state_store
 from .catalog import Catalog
 from .jobs import Job, Outcome, ReloadWorker
@@ -31,13 +30,23 @@ from .served import Served
 from .state import Loaded, State
 from .status import Snapshot
 
+BUILTIN_LOADER = (
+    "the engine runs without the worker extension: vLLM reads the files by path and maps them, "
+    "so a writer truncating a shard while it loads can still kill the engine"
+)
+FIX_LOADER = f"start vLLM with --worker-extension-cls {EXTENSION}"
+
 
 class Reloader:
     def __init__(self, config: Config, client: EngineClient, post: Callable[[ReloadFinished], None]) -> None:
         self.config = config
         self.client = client
         self.log = log.get()
-        saved = state_store.load(config.state.dir)
+        saved, aside = state_store.load_or_set_aside(config.state.dir)
+        if aside is not None:
+            self.log.error(
+                "state.corrupt", moved_to=str(aside), reason="unreadable; starting from the engine's word"
+            )
         self.catalog = Catalog(
             config.checkpoint_root,
             ignore=config.source.ignore,
@@ -45,7 +54,7 @@ class Reloader:
             rejected=saved.rejected,
             pinned=saved.pinned,
         )
-        self.served = Served(saved.serving, saved.last_good, config.engine.retry_initial)
+        self.served = Served(saved.serving, saved.good, config.engine.retry_initial)
         self.in_flight: Job | None = None
         self.saved = saved
         self.metrics = Metrics()
@@ -120,6 +129,7 @@ class Reloader:
         return Snapshot(
             serving=served.serving,
             last_good=served.last_good,
+            rollback=served.rollback,
             last_reload=dict(served.last_reload) if served.last_reload else None,
             reloading=self.in_flight.target.version if self.in_flight else None,
             pinned=self.catalog.pinned,
@@ -139,31 +149,35 @@ class Reloader:
         self._reject(name, version, reason, fingerprint, check=check)
 
     def finished(self, outcome: Outcome) -> None:
-        """A reload came back from the reload thread: apply what it means."""
+        """A reload came back from the reload thread: apply what it means, then say it (the
+        log line comes once the state file and the cache agree with it)."""
         self.in_flight = None
         served = self.served
-        believed = served.last_good or served.serving
-        decision = outcomes.decide(outcome, believed=believed, now=time.time())
+        decision = outcomes.decide(outcome, now=time.time())
         if decision.result == "succeeded":
             failpoints.hit("after_version")  # the engine serves it; nothing recorded yet
-        for event in decision.events:
-            getattr(self.log, event.level)(event.name, **event.fields)
         self.metrics.reloads.labels(result=decision.result).inc()
         if decision.resume_owed:
             served.resume_owed = True
         if decision.rollback:
             self.metrics.rollbacks.labels(cause=decision.rollback).inc()
-        if (r := decision.reject) is not None:
-            self._reject(r.name, r.version, r.reason, r.fingerprint, check=r.check)
         if decision.set_serving:
-            self.set_serving(decision.serving, last_good=decision.last_good)
+            self.set_serving(decision.serving, good=decision.last_good)
+        if decision.regate is not None:  # a writer was at it: look again once it settles
+            self.catalog.dirty.add(decision.regate)
         if decision.reloaded:
             self.metrics.reload_seconds.observe(decision.reloaded["seconds"])
             self.metrics.bytes_reloaded.inc(decision.reloaded["bytes"])
             served.last_reload = {k: decision.reloaded[k] for k in ("version", "duration_ms", "at")}
             self.prune_cache()
+        for event in decision.events:
+            getattr(self.log, event.level)(event.name, **event.fields)
+        if (r := decision.reject) is not None:
+            self._reject(r.name, r.version, r.reason, r.fingerprint, check=r.check)
         if decision.engine_down is not None:
             self.engine_down(decision.engine_down)
+        else:
+            self._rollback_target()
 
     # -- the control socket's commands (called on the main loop) -----------------------------
 
@@ -205,6 +219,8 @@ class Reloader:
         server = self.client.server_config()
         served.startup = server.model
         served.sleep_capable, served.extension = server.sleep_mode, server.extension
+        if not server.extension:
+            self.log.warning("engine.builtin_loader", reason=BUILTIN_LOADER, fix=FIX_LOADER)
         self.catalog.rescan()
         serving = reconcile.serving(
             version, server.model, known=served.serving, root=self.root, candidates=self.catalog.candidates
@@ -221,9 +237,8 @@ class Reloader:
         self.log.info(
             "engine.reconciled", version=serving.version, path=serving.path, engine_reported=version
         )
-        if version.startswith(RELOADING_PREFIX) and served.last_good is not None:
-            self._restore_after_interrupted_reload(version)  # resumes when done
-            return
+        if version.startswith(RELOADING_PREFIX) and self._restore_after_interrupted_reload(version, serving):
+            return  # the restore resumes the engine
         if self.client.is_paused():
             # Only a daemon killed mid-reload leaves it so: nothing else pauses this engine.
             self.client.resume()
@@ -232,14 +247,24 @@ class Reloader:
             # Name the startup weights, so clients and `weight_info` see which checkpoint it is.
             self.client.set_weight_version(serving.version)
         self.set_serving(serving)
+        self._rollback_target()  # known before anything fails, and shown in `status`
 
-    def _restore_after_interrupted_reload(self, marker: str) -> None:
-        """The weights may be a mix of two checkpoints: load the last good one back."""
-        good = self.served.last_good
-        assert good is not None
-        self.log.warning("engine.weights_unknown", engine_reported=marker, restoring=good.version)
+    def _restore_after_interrupted_reload(self, marker: str, unknown: Loaded) -> bool:
+        """The weights may be a mix of two checkpoints: load a good one back, if one is left.
+        With none, say so and follow new checkpoints (every one is newer than a mix)."""
+        target = self._rollback_target()
+        if target is None:
+            self.set_serving(unknown)
+            return False
+        self.log.warning("engine.weights_unknown", engine_reported=marker, restoring=target.version)
         self.set_serving(None)
-        self._load(order.Candidate(good.name, good.step, ""), good.version, good.path, 0)
+        self._load(order.Candidate(target.name, target.step, ""), target, 0)
+        return True
+
+    def _rollback_target(self, skip: str | None = None) -> Loaded | None:
+        target = rollback.choose(self.served, self.root, self.catalog.candidates, skip=skip, log=self.log)
+        self.metrics.rollback_ready.set(1 if target else 0)
+        return target
 
     def _advance(self) -> None:
         if self.served.baseline is None or self.in_flight is not None:
@@ -261,21 +286,20 @@ class Reloader:
                 manifest = verdict.manifest
                 assert manifest is not None
                 version = manifest.version or candidate.name
-                self.log.info(
-                    "checkpoint.ready",
-                    name=candidate.name,
-                    version=version,
-                    bytes=verdict.bytes,
-                    gate_ms=gate_ms,
+                name, size = candidate.name, verdict.bytes
+                self.log.info("checkpoint.ready", name=name, version=version, bytes=size, gate_ms=gate_ms)
+                self.catalog.pending.pop(name, None)
+                files = dict(verdict.files)
+                loading = Loaded(
+                    name=name, version=version, path=str(directory), since=0, step=manifest.step, files=files
                 )
-                self.catalog.pending.pop(candidate.name, None)
-                ready = order.Candidate(candidate.name, manifest.step, verdict.fingerprint)
-                self._load(ready, version, str(directory), verdict.bytes)
+                self._load(order.Candidate(name, manifest.step, verdict.fingerprint), loading, size)
                 return
 
-    def _load(self, candidate: order.Candidate, version: str, path: str, size: int) -> None:
+    def _load(self, candidate: order.Candidate, loading: Loaded, size: int) -> None:
         served = self.served
-        fallback = served.last_good or served.serving
+        version, path = loading.version, loading.path
+        fallback = self._rollback_target(skip=candidate.name)
         lag_ms = _detection_lag_ms(Path(path))
         if lag_ms is not None and candidate.fingerprint:  # not for restores of old checkpoints
             self.metrics.detection_lag.observe(lag_ms / 1000)
@@ -295,8 +319,8 @@ class Reloader:
         self.in_flight = Job(
             client=self.client,
             candidate=candidate,
-            target=Target(version, path),
-            fallback=Target(fallback.version, fallback.path) if fallback else None,
+            target=Target(version, path, loading.files),
+            rollback=fallback,
             size=size,
             canary=self.config.canary,
             strategy=strategy,
@@ -305,24 +329,20 @@ class Reloader:
         self.worker.submit(self.in_flight)
 
     def prune_cache(self) -> None:
-        """Downloads only (a local root is the trainer's): keep what serves or may be rolled back to."""
-        if not self.config.source.remote:
-            return
-        served = self.served
-        protected = {loaded.name for loaded in (served.serving, served.last_good) if loaded is not None}
-        protected |= {self.catalog.pinned or "", self.in_flight.candidate.name if self.in_flight else ""}
-        if served.startup and Path(served.startup).parent == self.root:
-            protected.add(Path(served.startup).name)
-        protected |= self.catalog.newer_than(served.serving_key())  # downloaded to be loaded next: not yet
-        doomed = cache.to_prune(self.catalog.candidates, protected=protected, keep=self.config.state.keep)
-        for name in cache.prune(self.root, doomed):
-            self.catalog.forget(name)
-            self.log.info("cache.pruned", name=name, kept=sorted(protected - {""}))
+        """Downloads only (a local root is the trainer's): keep what serves or may be rolled back to.
+        Nobody else deletes from the cache, so the last good one stays intact: it is enough."""
+        if self.config.source.remote:
+            served = self.served
+            keep = {loaded.name for loaded in (served.serving, served.last_good) if loaded is not None}
+            keep |= {self.in_flight.candidate.name} if self.in_flight else set()
+            if served.startup and Path(served.startup).parent == self.root:
+                keep.add(Path(served.startup).name)
+            self.catalog.prune(keep, served.serving_key(), self.config.state.keep)
 
-    def set_serving(self, serving: Loaded | None, *, last_good: Loaded | None = None) -> None:
+    def set_serving(self, serving: Loaded | None, *, good: Loaded | None = None) -> None:
         if serving is not None and serving.step is not None:
             self.metrics.serving_step.set(serving.step)
-        self.served.loaded(serving, last_good)
+        self.served.loaded(serving, good)
         self._persist()
 
     def _reject(
@@ -337,7 +357,7 @@ class Reloader:
         served, catalog = self.served, self.catalog
         new = State(
             serving=served.serving,
-            last_good=served.last_good,
+            good=served.good,
             rejected=dict(catalog.rejected),
             pinned=catalog.pinned,
         )

@@ -1,6 +1,7 @@
-"""What the engine holds, as far as the daemon knows: the serving checkpoint and the last
-good one, the engine's startup model and layout baseline, what it was started with, and
-whether it answers (with the backoff while it does not).
+"""What the engine holds, as far as the daemon knows: the serving checkpoint and the ones
+that passed their canary before it (the rollback history), the engine's startup model and
+layout baseline, what it was started with, and whether it answers (with the backoff while
+it does not).
 
 One owner, the reloader on the main loop; `status` sees it through a snapshot.
 """
@@ -13,11 +14,16 @@ from typing import Any
 from ..checkpoint import layout, order
 from .state import Loaded
 
+HISTORY = 4
+"""Checkpoints kept as rollback targets: trainers delete old ones (HF `save_total_limit`),
+so the newest still intact is used, not just the last."""
+
 
 @dataclass
 class Served:
     serving: Loaded | None
-    last_good: Loaded | None
+    good: tuple[Loaded, ...]
+    """Passed their canary, newest first."""
     retry_initial: float
     startup: str | None = None
     baseline: layout.Layout | None = None
@@ -33,6 +39,8 @@ class Served:
     """When an idle daemon next asks the engine for its weight version."""
     last_reload: dict[str, Any] | None = None
     backoff: float = 0.0
+    rollback: str | None = None
+    """The version a failed reload would go back to now; None: nothing intact is left."""
 
     def __post_init__(self) -> None:
         self.backoff = self.retry_initial
@@ -54,7 +62,13 @@ class Served:
         self.up = True
         self.next_check = now + check_interval
 
-    def loaded(self, serving: Loaded | None, last_good: Loaded | None = None) -> None:
+    @property
+    def last_good(self) -> Loaded | None:
+        return self.good[0] if self.good else None
+
+    def loaded(self, serving: Loaded | None, good: Loaded | None = None) -> None:
+        """What the engine holds now; `good` passed its canary: the newest rollback target."""
         self.serving = serving
-        if last_good is not None:
-            self.last_good = last_good
+        if good is not None:
+            older = tuple(g for g in self.good if (g.name, g.path) != (good.name, good.path))
+            self.good = (good, *older)[:HISTORY]

@@ -8,9 +8,12 @@ restarted daemon neither reloads needlessly nor retries a known-bad checkpoint.
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from ..durable import replace_atomically
 from ..errors import StateError
@@ -29,6 +32,9 @@ class Loaded(BaseModel):
     step: int | None = None
     in_root: bool = True
     """False for a startup model outside the root: every candidate counts as newer."""
+    files: dict[str, tuple[int, int, int, int, int]] | None = None
+    """Each file's identity as the gate verified it (None: never gated here, e.g. the
+    startup model): a rollback target is used only while these still hold."""
 
 
 class Rejection(BaseModel):
@@ -44,13 +50,29 @@ class State(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     serving: Loaded | None = None
-    last_good: Loaded | None = None
+    good: tuple[Loaded, ...] = ()
+    """Checkpoints that passed their canary, newest first: the rollback targets."""
     rejected: dict[str, Rejection] = {}
     pinned: str | None = None
     """A checkpoint name an operator pinned: loaded, and no auto-advance until unpinned."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_last_good(cls, data: Any) -> Any:
+        """State files before the history kept one `last_good`."""
+        if isinstance(data, dict) and "last_good" in data:
+            data = dict(data)
+            last = data.pop("last_good")
+            data.setdefault("good", [last] if last else [])
+        return data
+
+    @property
+    def last_good(self) -> Loaded | None:
+        return self.good[0] if self.good else None
+
 
 def load(directory: Path) -> State:
+    """The saved state; a file that cannot be parsed is `StateError` (see `load_or_set_aside`)."""
     path = directory / STATE_NAME
     try:
         return State.model_validate_json(path.read_bytes())
@@ -60,6 +82,24 @@ def load(directory: Path) -> State:
         raise StateError(f"cannot read {path}: {exc.strerror}") from exc
     except ValidationError as exc:
         raise StateError(f"{path} is corrupt: {exc.errors()[0]['msg']}") from exc
+
+
+def load_or_set_aside(directory: Path) -> tuple[State, Path | None]:
+    """The saved state, or — when the file is corrupt — an empty one, the corrupt file moved
+    to `state.json.corrupt-<time>` (returned) so the daemon starts and asks the engine:
+    under systemd a daemon that refused to start would restart forever."""
+    try:
+        return load(directory), None
+    except StateError:
+        path = directory / STATE_NAME
+        if not path.is_file():
+            raise
+        aside = path.with_name(f"{STATE_NAME}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+        try:
+            os.replace(path, aside)
+        except OSError as exc:
+            raise StateError(f"{path} is corrupt and cannot be moved aside: {exc.strerror}") from exc
+        return State(), aside
 
 
 def save(directory: Path, state: State) -> None:

@@ -5,6 +5,7 @@ render a `Snapshot`: immutable, taken on the main loop, so nothing here reads li
 from __future__ import annotations
 
 import time
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,8 @@ from .state import Loaded, Rejection
 class Snapshot:
     serving: Loaded | None
     last_good: Loaded | None
+    rollback: str | None
+    """The version a failed reload would go back to; None: nothing intact is left."""
     last_reload: Mapping[str, Any] | None
     reloading: str | None
     pinned: str | None
@@ -29,10 +32,26 @@ class Snapshot:
     source_failing: Mapping[str, str] = field(default_factory=dict)
 
 
+def _escape(char: str) -> str:
+    if unicodedata.category(char)[0] != "C":
+        return char
+    if 0xDC80 <= ord(char) <= 0xDCFF:  # a byte that was not UTF-8 (surrogateescape)
+        return f"\\x{ord(char) - 0xDC00:02x}"
+    return char.encode("unicode_escape").decode()
+
+
+def printable(text: object) -> str:
+    """`text` with every control, format or surrogate character escaped: names and versions
+    come from writers, and a newline in systemd's STATUS= starts a new field
+    (`WATCHDOG=trigger`), one in the on-call view a fake line."""
+    return "".join(map(_escape, str(text)))
+
+
 def answer(snapshot: Snapshot) -> dict[str, Any]:
     found: dict[str, Any] = {
         "serving": snapshot.serving.model_dump() if snapshot.serving else None,
         "last_good": snapshot.last_good.model_dump() if snapshot.last_good else None,
+        "rollback": snapshot.rollback,
         "last_reload": dict(snapshot.last_reload) if snapshot.last_reload else None,
         "reloading": snapshot.reloading,
         "pinned": snapshot.pinned,
@@ -46,7 +65,8 @@ def answer(snapshot: Snapshot) -> dict[str, Any]:
 
 
 def line(snapshot: Snapshot) -> str:
-    """One line for systemd's STATUS=: what is served, since when, what waits."""
+    """One line for systemd's STATUS=: what is served, since when, what waits, and whether a
+    failed reload has anything to go back to."""
     serving = snapshot.serving
     parts = [
         f"serving {serving.version} since {time.strftime('%H:%M:%S', time.localtime(serving.since))}"
@@ -60,7 +80,9 @@ def line(snapshot: Snapshot) -> str:
         parts.append(f"last scan {time.time() - snapshot.last_scan:.0f} s ago")
     if snapshot.source_failing:
         parts.append("object store failing")
-    return "; ".join(parts)
+    if snapshot.serving is not None and snapshot.rollback is None:
+        parts.append("NO ROLLBACK TARGET")
+    return printable("; ".join(parts))
 
 
 def _ago(timestamp: float) -> str:
@@ -86,6 +108,11 @@ def render(answer: dict[str, Any]) -> str:
     lines.append(
         f"engine    {engine.get('url')}  {'reachable' if engine.get('reachable') else 'UNREACHABLE'}"
     )
+    if answer.get("serving") and "rollback" in answer:
+        back = answer["rollback"]
+        lines.append(
+            f"rollback  {back}" if back else "rollback  NONE: no intact good checkpoint to go back to"
+        )
     if answer.get("pinned"):
         lines.append(f"pinned    {answer['pinned']}  (not auto-advancing; `vllm-reloader unpin` resumes)")
     if answer.get("reloading"):
@@ -98,4 +125,4 @@ def render(answer: dict[str, Any]) -> str:
     lines.extend(f"  {name}: {reason}" for name, reason in pending.items())
     lines.append(f"rejected  {len(rejected)}")
     lines.extend(f"  {name}: {r['reason']}" for name, r in rejected.items())
-    return "\n".join(lines)
+    return "\n".join(printable(text) for text in lines)

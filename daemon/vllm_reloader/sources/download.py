@@ -11,6 +11,7 @@ directory into the root — where the local gate checks it once more, like any c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -28,6 +29,8 @@ from ..errors import Cancelled, DownloadError, SourceError
 from .objstore import Object, Store
 
 JOURNAL_NAME = ".parts"
+SYNC_BYTES = 256 << 20
+"""Written parts are fdatasync'ed, then journaled, in batches of about this many bytes."""
 
 Part = tuple[str, int, int, str]
 """(path, start, end, etag): one ranged GET, and its journal entry."""
@@ -64,14 +67,32 @@ class _Journal:
                     continue  # a line cut short by the crash
         self._file = path.open("a")
         self._lock = threading.Lock()
+        self._waiting: list[Part] = []
+        self._fds: set[int] = set()
+        self._bytes = 0
 
-    def record(self, part: Part) -> None:
-        path, start, end, etag = part
+    def record(self, part: Part, fd: int) -> None:
+        """Journal a written part once its bytes are on disk: a part the journal names is read
+        back after a crash, so it must not be a hole. Parts are synced in batches."""
         with self._lock:
+            self._waiting.append(part)
+            self._fds.add(fd)
+            self._bytes += part[2] - part[1]
+            if self._bytes >= SYNC_BYTES:
+                self._sync()
+
+    def _sync(self) -> None:
+        for fd in self._fds:
+            os.fdatasync(fd)
+        for path, start, end, etag in self._waiting:
             self._file.write(json.dumps({"path": path, "start": start, "end": end, "etag": etag}) + "\n")
-            self._file.flush()
+        self._file.flush()
+        self._waiting, self._fds, self._bytes = [], set(), 0
 
     def close(self) -> None:
+        """Keeps what was written (a stop mid-download resumes from it), if it can be synced."""
+        with self._lock, contextlib.suppress(OSError):
+            self._sync()
         self._file.close()
 
 
@@ -134,7 +155,7 @@ class _Download:
         if len(data) != end - start:
             raise SourceError(f"GET {path} [{start}, {end}): {len(data)} bytes came back")
         os.pwrite(fd, data, start)
-        self.journal.record(part)
+        self.journal.record(part, fd)
         return data
 
     def run(self) -> str:
@@ -241,6 +262,12 @@ def _place(staging: Path, root: Path, name: str, last: tuple[str, bytes] | None)
         fsync_dir(directory)
     root.mkdir(parents=True, exist_ok=True)
     final = root / name
+    replaced = root / f".replaced-{name}-{time.time_ns()}"
+    had_one = final.exists()
+    if had_one:  # rewritten in the store since it was downloaded: the new one replaces it
+        os.rename(final, replaced)
     os.rename(staging, final)
     fsync_dir(root)
+    if had_one:
+        shutil.rmtree(replaced, ignore_errors=True)
     return final

@@ -129,9 +129,11 @@ class Watcher:
         poll_interval: float,
     ) -> None:
         self.root = root
+        self.notify = notify
         self.polling = poll or needs_polling(root)
         self._observer: BaseObserver = PollingObserver(timeout=poll_interval) if self.polling else Observer()
-        self._observer.schedule(_Enqueue(root, tuple(ignore), notify), str(root), recursive=True)
+        handler = _Enqueue(root, tuple(ignore), lambda name: self.notify(name))
+        self._observer.schedule(handler, str(root), recursive=True)
 
     def start(self) -> None:
         if not self.polling:

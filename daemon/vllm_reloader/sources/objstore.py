@@ -16,12 +16,19 @@ from pathlib import Path
 from typing import Any
 
 import obstore
-from obstore.exceptions import AlreadyExistsError, BaseError, NotFoundError, PreconditionError
+from obstore.exceptions import (
+    AlreadyExistsError,
+    BaseError,
+    InvalidPathError,
+    NotFoundError,
+    PreconditionError,
+)
 from obstore.store import from_url
 
 from ..errors import ConfigError, ObjectChanged, PublishError, SourceError
 
 _CODE = re.compile(r"<Code>([^<]+)</Code>")
+_BAD_PATH = re.compile(r'Path "([^"]*)"')
 _STATUS = re.compile(r"status code: (\d{3} [^:]*)")
 
 
@@ -68,16 +75,53 @@ class Store:
             return ObjectChanged(f"{what} {where}: changed while being read")
         return SourceError(f"{what} {where}: {_one_line(exc)}")
 
-    def list(self) -> dict[str, Object]:
-        """Every object under the prefix: key → size and ETag."""
+    def list(self) -> tuple[dict[str, Object], dict[str, str]]:
+        """Every object under the prefix (key → size, ETag, time), and the top-level names
+        whose objects could not be listed, with why.
+
+        obstore refuses a whole listing at the first key it cannot represent (`a//b`,
+        `a/../b`). Then each top-level name is listed on its own, so such a key costs only
+        the listing of the checkpoint holding it."""
         try:
-            return {
-                meta["path"]: Object(meta["size"], meta["e_tag"], meta["last_modified"].timestamp())
-                for batch in obstore.list(self._store)
-                for meta in batch
-            }
+            return self._list(None), {}
+        except InvalidPathError:
+            pass
+        try:
+            names = obstore.list_with_delimiter(self._store)["common_prefixes"]
         except (BaseError, OSError) as exc:
             raise self._fail("LIST", "", exc) from exc
+        found: dict[str, Object] = {}
+        unlisted: dict[str, str] = {}
+        for name in names:
+            try:
+                found.update(self._list(name))
+            except InvalidPathError as exc:
+                bad = _BAD_PATH.search(str(exc))
+                unlisted[name] = (
+                    f"key {bad.group(1) if bad else '?'!r} cannot be listed (empty, . or .. segment)"
+                )
+        return found, unlisted
+
+    def _list(self, prefix: str | None) -> dict[str, Object]:
+        try:
+            return {
+                meta["path"]: _object(meta)
+                for batch in obstore.list(self._store, prefix=prefix)
+                for meta in batch
+            }
+        except InvalidPathError:
+            raise
+        except (BaseError, OSError) as exc:
+            raise self._fail("LIST", prefix or "", exc) from exc
+
+    def head(self, key: str) -> Object | None:
+        """One object's size and ETag; None when it does not exist."""
+        try:
+            return _object(obstore.head(self._store, key))
+        except (NotFoundError, FileNotFoundError):
+            return None
+        except (BaseError, OSError) as exc:
+            raise self._fail("HEAD", key, exc) from exc
 
     def get(self, key: str) -> tuple[bytes, str | None]:
         """A whole (small) object and its ETag."""
@@ -98,13 +142,7 @@ class Store:
             raise self._fail("GET", key, exc) from exc
 
     def exists(self, key: str) -> bool:
-        try:
-            obstore.head(self._store, key)
-        except (NotFoundError, FileNotFoundError):  # obstore raises the builtin for a 404
-            return False
-        except (BaseError, OSError) as exc:
-            raise self._fail("HEAD", key, exc) from exc
-        return True
+        return self.head(key) is not None
 
     def put(self, key: str, data: bytes | Path, *, create_only: bool = False) -> None:
         """Upload one object; `create_only` sends `If-None-Match: *` (never overwrite)."""
@@ -114,3 +152,7 @@ class Store:
             raise PublishError(f"{self.url}/{key} already exists; versions are never overwritten") from exc
         except (BaseError, OSError) as exc:
             raise self._fail("PUT", key, exc) from exc
+
+
+def _object(meta: Any) -> Object:
+    return Object(meta["size"], meta["e_tag"], meta["last_modified"].timestamp())

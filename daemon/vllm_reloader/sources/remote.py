@@ -29,11 +29,12 @@ from typing import Any
 
 from .. import log
 from ..checkpoint import completeness, order
-from ..checkpoint.completeness import Entry, Incomplete, Listed
+from ..checkpoint.completeness import DirectoryListing, Entry, Incomplete, Listed
 from ..checkpoint.files import SINGLE_NAME, size_from_header
-from ..checkpoint.manifest import Manifest, path_problem
+from ..checkpoint.manifest import MANIFEST_NAME, Manifest, path_problem
+from ..checkpoint.manifest import parse as parse_manifest
 from ..config import Config
-from ..errors import Cancelled, DownloadError, SourceError
+from ..errors import Cancelled, DownloadError, ManifestInvalid, NotJSONYet, SourceError
 from . import local
 from .download import Fetched, Plan, fetch
 from .objstore import Object, Store
@@ -139,6 +140,8 @@ class RemoteSource:
         )
         self.convention = convention
         self.header_sizes: dict[tuple[str, str | None], int] = {}
+        self.bad_keys: dict[str, str] = {}
+        """Checkpoints whose listing hit a key obstore cannot represent (logged once each)."""
         self.problems: dict[str, str] = {}
         """What is failing now, by kind ("source", "download"): each is logged once, not per poll."""
         self._thread = threading.Thread(target=self._run, name="remote-source", daemon=True)
@@ -180,24 +183,25 @@ class RemoteSource:
     def poll(self) -> None:
         """One round: LIST, refresh changed completing objects, judge, download the newest ready one."""
         try:
-            listing = self.store.list()
-        except SourceError as exc:
-            self._report("source", str(exc), retry_in_s=self.config.source.interval)
-            return
-        by_name: dict[str, dict[str, Object]] = {}
-        for key, found in listing.items():
-            name, _, rest = key.partition("/")
-            if rest and not local.is_ignored(name, self.config.source.ignore):
-                by_name.setdefault(name, {})[rest] = found
-        try:
-            self._refresh(by_name)
+            listing, unlisted = self.store.list()
+            by_name: dict[str, dict[str, Object]] = {}
+            for key, found in listing.items():
+                name, _, rest = key.partition("/")
+                if rest and not local.is_ignored(name, self.config.source.ignore):
+                    by_name.setdefault(name, {})[rest] = found
+            for name, problem in unlisted.items():
+                if not local.is_ignored(name, self.config.source.ignore):
+                    by_name[name] = self._objects_by_head(name, problem)
+            self._refresh({name: objects for name, objects in by_name.items() if objects})
         except SourceError as exc:
             self._report("source", str(exc), retry_in_s=self.config.source.interval)
             return
         self._clear("source")
-        placed = local.list_candidates(self.config.checkpoint_root, ())
-        self._clean_staging(set(self.seen) - placed)
-        candidates = {name: seen.candidate for name, seen in self.seen.items() if name not in placed}
+        placed = self._placed()
+        self._clean_staging(set(self.seen) - set(placed))
+        candidates = {
+            name: seen.candidate for name, seen in self.seen.items() if placed.get(name) != seen.fingerprint
+        }
         rejected = {**self.rejected(), **self.rejected_here}
         waiting = {}
         for candidate in order.to_try(candidates, serving=self.serving(), rejected=rejected):
@@ -222,6 +226,39 @@ class RemoteSource:
                 manifest = None if isinstance(listed, Incomplete) else listed.manifest
                 self._reject(name, manifest, verdict)
         self.pending = waiting
+
+    def _placed(self) -> dict[str, str]:
+        """Checkpoints already in the cache, by the fingerprint of what was downloaded: one
+        rewritten in the store since (another manifest) is a candidate again."""
+        found = {}
+        root = self.config.checkpoint_root
+        for name in local.list_candidates(root, ()):
+            try:
+                found[name] = completeness.fingerprint(DirectoryListing(root / name), self.convention)
+            except OSError:
+                found[name] = ""
+        return found
+
+    def _objects_by_head(self, name: str, problem: str) -> dict[str, Object]:
+        """A checkpoint whose listing failed on an odd key: with our manifest, what it lists
+        is found by HEAD, and the odd key is never looked at; a foreign writer's checkpoint,
+        whose files only a listing names, waits (logged once per problem)."""
+        if self.bad_keys.get(name) != problem:
+            self.bad_keys[name] = problem
+            self.log.warning("source.bad_key", name=name, reason=problem)
+        head = self.store.head(f"{name}/{MANIFEST_NAME}") if self.convention.mode == "manifest" else None
+        if head is None:
+            return {}
+        objects = {MANIFEST_NAME: head}
+        try:
+            manifest = parse_manifest(self.store.get(f"{name}/{MANIFEST_NAME}")[0])
+        except (NotJSONYet, ManifestInvalid):
+            return objects  # judged (and rejected) like any bad manifest
+        if path_problem(manifest) is None:
+            for item in manifest.files:
+                if (found := self.store.head(f"{name}/{item.path}")) is not None:
+                    objects[item.path] = found
+        return objects
 
     def _listing(self, name: str, objects: Mapping[str, Object], signal: str, data: bytes) -> BucketListing:
         completing = {} if signal == SINGLE_NAME else {signal: data}

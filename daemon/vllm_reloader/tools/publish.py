@@ -41,38 +41,48 @@ def _source_files(src: Path) -> list[Path]:
     return files
 
 
-def _hash_and_sync(path: Path) -> str:
-    hasher = blake3.blake3()
+def _hash_and_sync(path: Path) -> tuple[str, int]:
+    """blake3 and size of one file, from one read; the file fsynced."""
+    hasher, size = blake3.blake3(), 0
     with path.open("rb") as f:
         while chunk := f.read(COPY_CHUNK):
             hasher.update(chunk)
+            size += len(chunk)
         os.fsync(f.fileno())
-    return str(hasher.hexdigest())
+    return str(hasher.hexdigest()), size
 
 
-def _copy_and_hash(src: Path, dst: Path) -> str:
-    """Copy one file, fsync it, and return its blake3 from the same pass over the bytes."""
-    hasher = blake3.blake3()
+def _copy_and_hash(src: Path, dst: Path) -> tuple[str, int]:
+    """Copy one file, fsync it, and return its blake3 and size from the same pass over the bytes."""
+    hasher, size = blake3.blake3(), 0
     with src.open("rb") as fin, dst.open("wb") as fout:
         while chunk := fin.read(COPY_CHUNK):
             hasher.update(chunk)
             fout.write(chunk)
+            size += len(chunk)
         fout.flush()
         os.fsync(fout.fileno())
-    return str(hasher.hexdigest())
+    return str(hasher.hexdigest()), size
 
 
-def _place(src: Path, dst: Path, *, move: bool) -> tuple[str, bool]:
-    """Put one file at dst; returns (blake3, whether it was renamed rather than copied)."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    if move:
+def _renamed(src: Path, dst: Path) -> bool:
+    """Moved by rename (same filesystem); False: the caller copies instead."""
+    try:
+        os.rename(src, dst)
+    except OSError:
+        return False
+    return True
+
+
+def _put_back(moved: list[Path], src: Path, incoming: Path) -> list[Path]:
+    """Every moved file back where the trainer left it; returns those that could not be."""
+    stranded = []
+    for path in reversed(moved):
         try:
-            os.rename(src, dst)
+            os.rename(incoming / path.relative_to(src), path)
         except OSError:
-            pass  # another filesystem: copy now, delete the source once published
-        else:
-            return _hash_and_sync(dst), True
-    return _copy_and_hash(src, dst), False
+            stranded.append(path)
+    return stranded
 
 
 def publish_remote(
@@ -89,7 +99,8 @@ def publish_remote(
     entries = []
     for path in _source_files(src):
         relative = path.relative_to(src).as_posix()
-        entries.append(ManifestFile(path=relative, size=path.stat().st_size, blake3=_hash_and_sync(path)))
+        digest, size = _hash_and_sync(path)
+        entries.append(ManifestFile(path=relative, size=size, blake3=digest))
         store.put(f"{name}/{relative}", path)
     manifest = Manifest(format_version=1, version=name, step=step, files=tuple(entries))
     store.put(f"{name}/{MANIFEST_NAME}", dumps(manifest), create_only=True)
@@ -117,29 +128,39 @@ def publish(
     if incoming.exists():
         raise PublishError(f"{incoming} exists: another publish of {name} is running or crashed")
     entries: list[ManifestFile] = []
-    renamed_files: list[Path] = []
-    copied_files: list[Path] = []
+    moved: list[Path] = []  # renamed into incoming: put back on any failure (--move)
+    copied: list[Path] = []
     try:
         incoming.mkdir()
         for path in files:
             relative = path.relative_to(src).as_posix()
-            size = path.stat().st_size
-            digest, renamed = _place(path, incoming / relative, move=move)
-            (renamed_files if renamed else copied_files).append(path)
+            dst = incoming / relative
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if move and _renamed(path, dst):
+                moved.append(path)
+                digest, size = _hash_and_sync(dst)
+            else:  # a copy (or a move across filesystems: the source goes once published)
+                digest, size = _copy_and_hash(path, dst)
+                copied.append(path)
             entries.append(ManifestFile(path=relative, size=size, blake3=digest))
         manifest = Manifest(format_version=1, version=name, step=step, files=tuple(entries))
         write_synced(incoming / MANIFEST_NAME, dumps(manifest))
         for directory in {(incoming / e.path).parent for e in entries}:
             fsync_dir(directory)
         os.rename(incoming, final)
-    except OSError as exc:
-        for path in renamed_files:  # --move must not lose the trainer's files
-            os.rename(incoming / path.relative_to(src), path)
+    except BaseException as exc:
+        if stranded := _put_back(moved, src, incoming):  # never delete what could not go back
+            raise PublishError(
+                f"publishing {name} failed ({exc}); {len(stranded)} moved files could not be put back "
+                f"and are still in {incoming}"
+            ) from exc
         shutil.rmtree(incoming, ignore_errors=True)
-        raise PublishError(f"publishing {name}: {exc.strerror or exc}") from exc
+        if isinstance(exc, OSError):
+            raise PublishError(f"publishing {name}: {exc.strerror or exc}") from exc
+        raise
     try:
         fsync_dir(root)
-        for path in copied_files if move else ():
+        for path in copied if move else ():
             path.unlink()
     except OSError as exc:
         raise PublishError(f"published {final}, but then: {exc.strerror or exc}") from exc

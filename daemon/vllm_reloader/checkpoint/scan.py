@@ -1,0 +1,119 @@
+"""One pass over a checkpoint's bytes: the digests and the non-finite scan in the same read.
+
+Files are read with `pread` into a reused buffer, never mapped: a writer can truncate a
+file while it is read, and a mapped page past the new end is a SIGBUS that kills the
+process, where a read just comes back short. Each file is opened once (no symlink, regular
+only) and its identity compared with the one the listing recorded, before and after the
+read: a file written meanwhile was not the file verified, so the verdict is `changed`.
+
+Reads are cut at tensor boundaries (a tensor larger than a chunk at a multiple of its
+element size), so the non-finite scan never sees half an element.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from . import finite
+from .files import Header, Identity, Tensor, header_in, identity, open_regular, read_exactly
+from .manifest import ManifestFile, digest_mismatch, hashers
+
+CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class Found:
+    check: Literal["digests", "finite", "changed"]
+    reason: str
+    tensor: str | None = None
+
+
+@dataclass(frozen=True)
+class Work:
+    entry: ManifestFile
+    """The file and the digests it must have."""
+    expected: Identity
+    header: Header | None = None
+    """Its tensors, when the non-finite scan is asked for (None: digests only)."""
+
+
+def _segments(size: int, header: Header | None, chunk: int) -> Iterator[tuple[int, int]]:
+    """[start, end) reads covering the file in order; none splits an element of a tensor."""
+    if header is None or not header.tensors:
+        yield from ((start, min(start + chunk, size)) for start in range(0, size, chunk))
+        return
+    yield 0, header.data_start
+    start = end = header.data_start
+    for tensor in sorted(header.tensors, key=lambda t: t.start):
+        if tensor.nbytes > chunk:
+            if end > start:
+                yield start, end
+            stride = max(1, finite.element_bytes(tensor.dtype))
+            step = chunk - chunk % stride
+            yield from ((o, min(o + step, tensor.end)) for o in range(tensor.start, tensor.end, step))
+            start = end = tensor.end
+        elif end - start + tensor.nbytes > chunk:
+            if end > start:
+                yield start, end
+            start, end = tensor.start, tensor.end
+        else:
+            end = tensor.end
+    if end > start:
+        yield start, end
+    if end < size:  # past the last tensor: only a header that lies, which the gate refused
+        yield from ((o, min(o + chunk, size)) for o in range(end, size, chunk))
+
+
+def _non_finite(view: memoryview, start: int, end: int, tensors: list[Tensor]) -> str | None:
+    for tensor in tensors:
+        low, high = max(tensor.start, start), min(tensor.end, end)
+        if low < high and finite.holds_non_finite(view[low - start : high - start], tensor.dtype):
+            return tensor.name
+    return None
+
+
+def read(directory: Path, work: Work, buffer: bytearray) -> Found | None:
+    """Read one file once: digests checked, float tensors scanned; None when all is well."""
+    entry = work.entry
+    fd = open_regular(directory / entry.path)
+    try:
+        if identity(os.fstat(fd)) != work.expected:
+            return Found("changed", f"{entry.path} changed while it was being checked")
+        states: Mapping[str, Any] = hashers(entry)
+        tensors = sorted(work.header.tensors, key=lambda t: t.start) if work.header else []
+        view = memoryview(buffer)
+        try:
+            for start, end in _segments(entry.size, work.header, len(buffer)):
+                part = view[: end - start]
+                read_exactly(fd, part, start)
+                for state in states.values():
+                    state.update(part)
+                if tensors and (name := _non_finite(part, start, end, tensors)):
+                    reason = f"{entry.path}: tensor {name} holds NaN or Inf values (a diverged run?)"
+                    return Found("finite", reason, name)
+        except OSError:
+            return Found("changed", f"{entry.path} was cut short while it was being checked")
+        if identity(os.fstat(fd)) != work.expected:
+            return Found("changed", f"{entry.path} changed while it was being checked")
+    finally:
+        os.close(fd)
+    if problem := digest_mismatch(entry, dict(states)):
+        return Found("digests", problem)
+    return None
+
+
+def first_non_finite(path: Path, chunk: int = CHUNK) -> str | None:
+    """The first tensor (in file order) of one safetensors file holding a NaN or Inf."""
+    fd = open_regular(path)
+    try:
+        found = identity(os.fstat(fd))
+        header = header_in(fd, path.name)
+    finally:
+        os.close(fd)
+    work = Work(ManifestFile(path=path.name, size=found[2]), found, header)
+    result = read(path.parent, work, bytearray(chunk))
+    return result.tensor if result is not None else None

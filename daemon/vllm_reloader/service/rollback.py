@@ -1,0 +1,79 @@
+"""Where a failed reload goes back to: the newest checkpoint that passed its canary and is
+still intact, else the engine's startup model — never a path that is gone or changed, and
+never one whose layout differs from what the engine serves (vLLM dies on that).
+
+Trainers rotate old checkpoints away (HF `save_total_limit`), operators restart engines on
+other models: the last good checkpoint of yesterday may be neither there nor loadable
+today, so each candidate target is checked when it is about to be needed.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint import layout, order
+from ..checkpoint.files import changed
+from ..engine.client import STARTUP_VERSION
+from ..errors import LayoutUnreadable
+from . import reconcile
+from .served import Served
+from .state import Loaded
+
+
+def problem(target: Loaded, baseline: layout.Layout | None) -> str | None:
+    """Why `target` cannot be loaded back now, or None."""
+    directory = Path(target.path)
+    try:
+        if not stat.S_ISDIR(os.lstat(directory).st_mode):
+            return f"{target.path} is not a directory"
+        if target.files is not None and (why := changed(directory, target.files)):
+            return why
+        if baseline is not None and (
+            difference := layout.first_difference(layout.read_served_layout(directory), baseline)
+        ):
+            return f"layout differs from serving: {difference[0]}"
+    except FileNotFoundError:
+        return f"{target.path} is gone"
+    except (OSError, LayoutUnreadable) as exc:
+        return f"{target.path}: {exc}"
+    return None
+
+
+def pick(
+    targets: Iterable[Loaded], baseline: layout.Layout | None, *, skip: str | None = None
+) -> tuple[Loaded | None, dict[str, str]]:
+    """The first usable target (newest first), and why each one before it was passed over.
+    `skip`: a checkpoint name never to go back to (the one that just failed)."""
+    passed: dict[str, str] = {}
+    for target in targets:
+        if target.name == skip:
+            continue
+        if (why := problem(target, baseline)) is None:
+            return target, passed
+        passed[target.version] = why
+    return None, passed
+
+
+def choose(
+    served: Served, root: Path, candidates: Mapping[str, order.Candidate], *, skip: str | None, log: Any
+) -> Loaded | None:
+    """The newest intact checkpoint that passed its canary, else the engine's startup model;
+    logged when the answer changes (as an error when nothing is left), kept in `served`."""
+    startup = []
+    if served.startup:
+        startup = [
+            reconcile.serving(STARTUP_VERSION, served.startup, known=None, root=root, candidates=candidates)
+        ]
+    target, passed = pick([*served.good, *startup], served.baseline, skip=skip)
+    found = target.version if target else None
+    if target is None and (found != served.rollback or passed):
+        reason = "no intact checkpoint that passed its canary, and no usable startup model"
+        log.error("rollback.none_left", passed_over=passed, reason=reason)
+    elif found != served.rollback:
+        log.info("rollback.target", version=found, passed_over=passed or None)
+    served.rollback = found
+    return target

@@ -1,0 +1,130 @@
+"""Nothing one checkpoint contains stops the loop: each odd input is refused or skipped, the
+daemon keeps serving, and the next good checkpoint loads after it."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.support.checkpoints import write_manifest, write_weights
+from tests.support.fake_engine import FakeEngine
+
+DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
+def _non_ascii_digits(root: Path) -> str:
+    write_weights(root / "step-²")
+    write_manifest(root / "step-²")  # no step: ordered by name, a valid checkpoint
+    return "reload.succeeded"
+
+
+def _deep_manifest(root: Path) -> str:
+    write_weights(root / "step-5")
+    (root / "step-5" / "manifest.json").write_bytes(b'{"format_version": 1, "files": ' + DEEP + b"}")
+    return "checkpoint.rejected"
+
+
+def _deep_config(root: Path) -> str:
+    write_weights(root / "step-5")
+    (root / "step-5" / "config.json").write_bytes(b'{"a": ' + DEEP + b"}")
+    write_manifest(root / "step-5", step=5)
+    return "checkpoint.rejected"
+
+
+def _deep_header(root: Path) -> str:
+    (root / "step-5").mkdir()
+    header = b'{"a": ' + DEEP + b"}"
+    (root / "step-5" / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    write_manifest(root / "step-5", step=5)
+    return "checkpoint.rejected"
+
+
+def _huge_step(root: Path) -> str:
+    write_weights(root / "step-5")
+    write_manifest(root / "step-5", overrides={"step": 10**30})
+    return "checkpoint.rejected"
+
+
+def _newline_in_version(root: Path) -> str:
+    write_weights(root / "step-5")
+    write_manifest(root / "step-5", step=5, overrides={"version": "x\nWATCHDOG=trigger"})
+    return "checkpoint.rejected"
+
+
+def _newline_in_name(root: Path) -> str:
+    write_weights(root / "step-5\nWATCHDOG=trigger")
+    write_manifest(root / "step-5\nWATCHDOG=trigger", step=5, overrides={"version": None})
+    return "checkpoint.skipped"
+
+
+def _name_not_utf8(root: Path) -> str:
+    os.mkdir(os.fsencode(root) + b"/step-\xff")
+    directory = Path(os.fsdecode(os.fsencode(root) + b"/step-\xff"))
+    write_weights(directory)
+    manifest = {"format_version": 1, "step": 5, "files": []}
+    manifest["files"] = [
+        {"path": p.name, "size": p.stat().st_size} for p in directory.iterdir() if p.name != "manifest.json"
+    ]
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    return "checkpoint.skipped"
+
+
+def _fifo_manifest(root: Path) -> str:
+    write_weights(root / "step-5")
+    os.mkfifo(root / "step-5" / "manifest.json")
+    return "checkpoint.rejected"
+
+
+def _manifest_links_to_dev_zero(root: Path) -> str:
+    write_weights(root / "step-5")
+    (root / "step-5" / "manifest.json").symlink_to("/dev/zero")
+    return "checkpoint.rejected"
+
+
+def _symlinked_candidate(root: Path) -> str:
+    elsewhere = root.parent / "elsewhere" / "step-5"
+    write_weights(elsewhere)
+    write_manifest(elsewhere, step=5)
+    (root / "step-5").symlink_to(elsewhere)
+    return ""  # never a candidate: nothing to say about it
+
+
+ODD: dict[str, Callable[[Path], str]] = {
+    "digits outside ASCII in a name": _non_ascii_digits,
+    "manifest nested past the parser": _deep_manifest,
+    "config.json nested past the parser": _deep_config,
+    "safetensors header nested past the parser": _deep_header,
+    "step too large for a float metric": _huge_step,
+    "newline in the version": _newline_in_version,
+    "newline in the directory name": _newline_in_name,
+    "directory name not UTF-8": _name_not_utf8,
+    "manifest.json is a FIFO": _fifo_manifest,
+    "manifest.json links to /dev/zero": _manifest_links_to_dev_zero,
+    "candidate directory is a symlink": _symlinked_candidate,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ODD))
+def test_daemon_refuses_odd_input_and_loads_the_next_good_checkpoint(
+    start, root, tmp_path, make_checkpoint, kind
+):
+    """The engine serves a model from outside the root, so every checkpoint in it is newer
+    and gets looked at, odd ones included."""
+    engine = FakeEngine(startup=str(make_checkpoint("startup", root=tmp_path / "models")))
+    running = start(engine, rescan_interval=0.2)
+    running.wait_for("engine.reconciled")
+    said = ODD[kind](root)
+    if said:
+        running.wait_for(said)
+    make_checkpoint("step-9", step=9, root=root, seed=9)
+    running.wait_for("reload.succeeded", version="step-9")
+    assert engine.loaded == str(root / "step-9") and not engine.paused
+    assert not running.events("daemon.crashed") and not running.events("daemon.thread_died")
+    loaded = [c for c in engine.calls if c.startswith("reload:")]
+    expected = [f"reload:{root / 'step-²'}"] if kind == "digits outside ASCII in a name" else []
+    assert loaded == [*expected, f"reload:{root / 'step-9'}"], "nothing odd reached the engine"

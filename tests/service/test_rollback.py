@@ -1,0 +1,123 @@
+"""Rollback that cannot dangle: the newest intact checkpoint that passed its canary, else the
+startup model, never a missing path, never another layout; none left is said loudly."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+from tests.support.fake_engine import FakeEngine
+from vllm_reloader.engine.client import RELOADING_PREFIX
+from vllm_reloader.service import rollback, state
+from vllm_reloader.service.control import Reply
+from vllm_reloader.service.messages import ControlRequest
+
+
+def reloads(engine: FakeEngine) -> list[str]:
+    return [c.removeprefix("reload:") for c in engine.calls if c.startswith("reload:")]
+
+
+def status_of(running) -> dict:  # type: ignore[no-untyped-def]
+    reply = Reply()
+    running.daemon.inbox.put(ControlRequest({"command": "status"}, reply))
+    answer = reply.wait(5)
+    assert answer is not None
+    return answer
+
+
+def test_rollback_goes_to_the_newest_intact_good_checkpoint_when_the_last_one_was_deleted(
+    start, root, tmp_path, make_checkpoint
+):
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    running = start(engine)
+    running.wait_for("engine.reconciled")
+    for step in (2, 3):
+        make_checkpoint(f"step-{step}", step=step, root=root, seed=step)
+        running.wait_for("reload.succeeded", version=f"step-{step}")
+    shutil.rmtree(root / "step-3")  # the trainer's save_total_limit took the serving one
+    engine.garbage.add(str(root / "step-4"))  # whole, right shapes, answers NaN
+    make_checkpoint("step-4", step=4, root=root, seed=4)
+    rolled = running.wait_for("reload.rolled_back", version="step-4")
+    assert rolled["to_version"] == "step-2" and rolled["cause"] == "canary"
+    assert engine.loaded == str(root / "step-2") and engine.version == "step-2" and not engine.paused
+    assert state.load(tmp_path / "state").serving.version == "step-2"  # type: ignore[union-attr]
+    make_checkpoint("step-5", step=5, root=root, seed=5)
+    running.wait_for("reload.succeeded", version="step-5")
+    assert reloads(engine).count(str(root / "step-3")) == 1, "a missing path is never tried again"
+
+
+def test_rollback_with_nothing_intact_says_so_and_keeps_following_new_checkpoints(
+    start, root, tmp_path, make_checkpoint
+):
+    startup = make_checkpoint("startup", root=tmp_path / "models")
+    engine = FakeEngine(startup=str(startup))
+    running = start(engine)
+    running.wait_for("engine.reconciled")
+    make_checkpoint("step-2", step=2, root=root, seed=2)
+    running.wait_for("reload.succeeded", version="step-2")
+    shutil.rmtree(root / "step-2")
+    shutil.rmtree(startup)  # and the engine's own model is gone too
+    engine.garbage.add(str(root / "step-3"))
+    make_checkpoint("step-3", step=3, root=root, seed=3)
+    none_left = running.wait_for("rollback.none_left")
+    assert set(none_left["passed_over"]) == {"step-2", "default"}
+    running.wait_for("reload.canary_failed_no_fallback", version="step-3")
+    assert status_of(running)["rollback"] is None
+    assert running.daemon.reloader.metrics.rollback_ready._value.get() == 0
+    make_checkpoint("step-4", step=4, root=root, seed=4)
+    running.wait_for("reload.succeeded", version="step-4")
+    assert status_of(running)["rollback"] == "step-4"
+    assert reloads(engine) == [str(root / f"step-{n}") for n in (2, 3, 4)], "no restore of a missing path"
+
+
+def test_rollback_never_restores_a_checkpoint_of_another_layout(start, root, tmp_path, make_checkpoint):
+    """The engine was restarted on a model of another shape: yesterday's good checkpoints
+    would kill it, its own startup model is the only safe way back."""
+    other = {"model.embed_tokens.weight": (32, 8), "lm_head.weight": (32, 8)}
+    make_checkpoint("step-2", step=2, root=root, shapes=other)
+    good = state.Loaded(name="step-2", version="step-2", path=str(root / "step-2"), since=0, step=2)
+    state.save(tmp_path / "state", state.State(serving=good, good=(good,)))
+    startup = make_checkpoint("startup", root=tmp_path / "models")
+    engine = FakeEngine(startup=str(startup))
+    running = start(engine)
+    target = running.wait_for("rollback.target")
+    assert target["version"] == "default" and "layout differs" in target["passed_over"]["step-2"]
+
+
+def test_rollback_after_an_interrupted_reload_restores_an_intact_one_or_moves_on(
+    start, root, tmp_path, make_checkpoint
+):
+    for step in (1, 2):
+        make_checkpoint(f"step-{step}", step=step, root=root, seed=step)
+    gone = state.Loaded(name="step-9", version="step-9", path=str(root / "step-9"), since=0, step=9)
+    good = state.Loaded(name="step-1", version="step-1", path=str(root / "step-1"), since=0, step=1)
+    state.save(tmp_path / "state", state.State(serving=gone, good=(gone, good)))
+    engine = FakeEngine(startup=str(root / "step-1"))
+    engine.version = RELOADING_PREFIX + "step-9"  # a daemon died mid-reload of a since-deleted one
+    running = start(engine)
+    running.wait_for("engine.weights_unknown", restoring="step-1")
+    running.wait_for("reload.succeeded", version="step-2")
+    time.sleep(0.3)
+    assert str(root / "step-9") not in reloads(engine)
+
+
+def test_rollback_pick_skips_what_changed_or_vanished(make_checkpoint, tmp_path):
+    from vllm_reloader.checkpoint.files import identity
+
+    kept = make_checkpoint("step-1", root=tmp_path / "root")
+    rewritten = make_checkpoint("step-2", root=tmp_path / "root", seed=2)
+
+    def loaded(directory, step):  # type: ignore[no-untyped-def]
+        files = {p.name: identity(p.lstat()) for p in directory.iterdir()}
+        return state.Loaded(
+            name=directory.name, version=directory.name, path=str(directory), since=0, step=step, files=files
+        )
+
+    targets = [loaded(rewritten, 2), loaded(kept, 1)]
+    (rewritten / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    found, passed = rollback.pick(targets, baseline=None)
+    assert found == targets[1] and "config.json changed" in passed["step-2"]
+    shutil.rmtree(kept)
+    found, passed = rollback.pick(targets, baseline=None)
+    assert found is None and passed["step-1"].endswith("is gone")

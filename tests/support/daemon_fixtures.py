@@ -1,0 +1,72 @@
+"""The daemon in this process, on a real filesystem and watcher, against the scripted engine."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import structlog
+
+from tests.support.fake_engine import FakeEngine
+from vllm_reloader import config
+from vllm_reloader.service.daemon import Daemon
+
+
+class Running:
+    def __init__(self, daemon: Daemon, logs: list[dict]) -> None:
+        self.daemon, self.logs = daemon, logs
+
+    def events(self, event: str, /, **fields: object) -> list[dict]:
+        return [e for e in list(self.logs) if e["event"] == event and fields.items() <= e.items()]
+
+    def wait_for(self, event: str, /, timeout: float = 10.0, **fields: object) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if found := self.events(event, **fields):
+                return found[-1]
+            time.sleep(0.02)
+        raise AssertionError(f"no {event} {fields} in {[e['event'] for e in self.logs]}")
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    (tmp_path / "root").mkdir()
+    return tmp_path / "root"
+
+
+@pytest.fixture
+def start(tmp_path: Path, root: Path) -> Iterator[Callable[..., Running]]:
+    threads: list[tuple[Daemon, threading.Thread]] = []
+
+    def run(
+        engine: FakeEngine,
+        engine_check_interval: float = 5.0,
+        canary: config.CanaryConfig | None = None,
+        **source: object,
+    ) -> Running:
+        cfg = config.Config(
+            source=config.SourceConfig(path=root, pending_recheck_interval=0.05, **source),  # type: ignore[arg-type]
+            engine=config.EngineConfig(
+                url="http://engine.test",
+                retry_initial=0.05,
+                retry_max=0.2,
+                check_interval=engine_check_interval,
+            ),
+            state=config.StateConfig(dir=tmp_path / "state"),
+            canary=canary or config.CanaryConfig(),
+        )
+        daemon = Daemon(cfg, client=engine.client(retry_initial=0.05))
+        thread = threading.Thread(target=daemon.run, daemon=True)
+        threads.append((daemon, thread))
+        thread.start()
+        return Running(daemon, logs)
+
+    with structlog.testing.capture_logs() as logs:
+        yield run
+        for daemon, thread in threads:
+            daemon.request_stop()
+            thread.join(timeout=10)
+            assert not thread.is_alive()
