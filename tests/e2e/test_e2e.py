@@ -8,7 +8,6 @@ engine's on the same bytes, and a bad checkpoint must leave the answers untouche
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import re
@@ -18,71 +17,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support.checkpoints import write_manifest
-from tests.support.engine_fixtures import DaemonProcess, Engine, daemon_config, session_engine
+from tests.support.e2e_world import World, _next_step_above_serving, _steps, list_files
+from tests.support.engine_fixtures import DaemonProcess
 from tests.support.store_fixtures import Bucket
 
 pytestmark = pytest.mark.engine
-
-_steps = itertools.count(2)
-
-
-def list_files(staged: Path, version: str, *, step: int) -> dict[str, object]:
-    """Write the manifest of a checkpoint staged under a dot-name it will be renamed from."""
-    return write_manifest(staged, step=step, overrides={"version": version})
-
-
-class World:
-    def __init__(
-        self, engine: Engine, root: Path, staging: Path, daemon: DaemonProcess, config: Path
-    ) -> None:
-        self.engine, self.root, self.staging, self.daemon = engine, root, staging, daemon
-        self.config = config
-        self.fresh_a = engine.complete()  # before any reload: a freshly started engine on A
-        self.expected = self.fresh_a
-        self.outputs_b: list[str] | None = None  # B's answers, once a test has loaded B
-        self.serving = "step-1"
-
-    def stage(self, weights: str) -> tuple[str, Path]:
-        """Copy checkpoint A or B into an ignored dot-dir of the root, ready to rename."""
-        name = f"step-{next(_steps)}"
-        target = self.root / f".stage-{name}"
-        shutil.copytree(self.staging / ("seed-1" if weights == "A" else "seed-2"), target)
-        return name, target
-
-    def publish(self, weights: str, *, step: int | None = None) -> str:
-        name, staged = self.stage(weights)
-        list_files(staged, name, step=int(name.split("-")[1]))
-        staged.rename(self.root / name)
-        return name
-
-    def assert_unchanged(self) -> None:
-        assert self.engine.healthy()
-        assert not self.engine.is_paused()
-        assert self.engine.weight_version() == self.serving
-        assert self.engine.complete() == self.expected
-
-
-@pytest.fixture(scope="session")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    for engine, root, staging in session_engine(tmp_path_factory):
-        base = root.parent
-        config = daemon_config(
-            base / "daemon.toml", root=root, engine_url=engine.url, state_dir=base / "state"
-        )
-        daemon = DaemonProcess(config)
-        try:
-            daemon.wait_for("engine.reconciled", version="step-1")
-            yield World(engine, root, staging, daemon, config)
-        finally:
-            assert daemon.stop() == 0
-            assert not engine.is_paused(), "the daemon must never leave the engine paused"
 
 
 def test_e2e_startup_checkpoint_is_recognised_not_reloaded(world: World):
@@ -168,11 +112,6 @@ def _tensor_bytes(checkpoint: Path) -> int:
     from vllm_reloader.checkpoint.files import tensors_of
 
     return sum(tensor.nbytes for shard in checkpoint.glob("*.safetensors") for tensor in tensors_of(shard))
-
-
-def _next_step_above_serving(world: World) -> int:
-    manifest = json.loads((world.root / world.serving / "manifest.json").read_text())
-    return int(manifest.get("step") or 1) + next(_steps)
 
 
 def _bad_truncated(staged: Path) -> None:
@@ -418,7 +357,7 @@ def test_e2e_hot_reloads_under_load_lose_no_request(world: World, mode: str):
 
 
 def test_e2e_object_store_publish_reaches_the_real_engine(world: World, tmp_path: Path, bucket: Bucket):
-    """Last in the module: it stops the world's daemon first (one engine, one daemon)."""
+    """It stops the world's daemon first (one engine, one daemon), and starts it again after."""
     from vllm_reloader.tools.publish import publish_remote
 
     assert world.daemon.stop() == 0
@@ -448,3 +387,4 @@ def test_e2e_object_store_publish_reaches_the_real_engine(world: World, tmp_path
         world.assert_unchanged()
     finally:
         assert daemon.stop() == 0
+        world.start_daemon()  # the engine back to the world's daemon, for the modules after

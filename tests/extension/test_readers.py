@@ -80,6 +80,14 @@ def _identities(directory: Path) -> dict[str, Identity]:
     return {p.name: identity(p.lstat()) for p in directory.iterdir() if p.name != "consolidated.safetensors"}
 
 
+def _verified(tmp_path: Path) -> tuple[dict[str, torch.Tensor], Path, dict[str, Identity]]:
+    """A checkpoint as the gate passes it (no stray shard), with its files' identities."""
+    tensors = _tensors()
+    directory = _sharded(tmp_path / "ckpt", tensors)
+    (directory / "consolidated.safetensors").unlink()
+    return tensors, directory, _identities(directory)
+
+
 def test_worker_orders_tensors_by_the_modules_that_consume_them():
     def read(name: str) -> TensorRead:
         return TensorRead(name, Path("x"), 0, 4, "F32", (1,))
@@ -167,10 +175,7 @@ def test_worker_plan_refuses_a_tensor_whose_bytes_do_not_fit_its_shape(tmp_path:
 
 
 def test_worker_loads_only_the_files_the_gate_verified(tmp_path: Path):
-    tensors = _tensors()
-    directory = _sharded(tmp_path / "ckpt", tensors)
-    (directory / "consolidated.safetensors").unlink()
-    verified = _identities(directory)
+    tensors, directory, verified = _verified(tmp_path)
     assert len(_plan(directory, verified)) == len(tensors)
     shard = directory / "model-00001-of-00002.safetensors"
     shard.write_bytes(shard.read_bytes())  # same bytes, written again: not the verified file
@@ -194,10 +199,8 @@ def test_worker_refuses_an_index_that_points_outside_the_checkpoint(tmp_path: Pa
 
 
 def test_worker_load_fails_when_a_shard_is_rewritten_while_it_is_read(tmp_path: Path):
-    tensors = _tensors()
-    directory = _sharded(tmp_path / "ckpt", tensors)
-    (directory / "consolidated.safetensors").unlink()
-    reads = _plan(directory, _identities(directory))
+    _, directory, verified = _verified(tmp_path)
+    reads = _plan(directory, verified)
     shard = directory / "model-00002-of-00002.safetensors"
     with shard.open("r+b") as f:  # in place, same size: the trainer's save over a fixed path
         f.seek(-4, os.SEEK_END)
@@ -213,10 +216,8 @@ def test_worker_load_fails_when_a_shard_is_rewritten_while_it_is_read(tmp_path: 
 def test_worker_load_fails_when_a_shard_is_replaced_by_rename_while_it_is_read(tmp_path: Path):
     """The open file keeps its bytes, but its identity moves (its last link went: ctime), and
     the extension cannot tell that from a write: the load fails, the daemon restores."""
-    tensors = _tensors()
-    directory = _sharded(tmp_path / "ckpt", tensors)
-    (directory / "consolidated.safetensors").unlink()
-    reads = _plan(directory, _identities(directory))
+    tensors, directory, verified = _verified(tmp_path)
+    reads = _plan(directory, verified)
     other = tmp_path / "other.safetensors"
     save_file({k: torch.zeros_like(v) for k, v in tensors.items()}, other)
     os.rename(other, directory / "model-00001-of-00002.safetensors")

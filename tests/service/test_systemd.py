@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm_reloader.engine.client import EXTENSION
+
 UNITS = Path(__file__).parents[2] / "systemd"
 
 
@@ -68,3 +70,10 @@ def test_systemd_engine_unit_binds_dev_endpoints_to_loopback():
     assert "Environment=VLLM_SERVER_DEV_MODE=1" in text
     exec_start = next(line for line in text.splitlines() if line.startswith("ExecStart="))
     assert "--host 127.0.0.1" in exec_start or "--uds" in exec_start
+
+
+def test_systemd_engine_unit_loads_through_the_extension():
+    """Only the extension reads exactly the verified bytes and never maps a writer's file."""
+    text = (UNITS / "vllm.service").read_text()
+    exec_start = next(line for line in text.splitlines() if line.startswith("ExecStart="))
+    assert f"--worker-extension-cls {EXTENSION}" in exec_start

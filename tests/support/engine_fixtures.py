@@ -46,6 +46,8 @@ class Engine:
     process: subprocess.Popen[bytes]
     log_path: Path
     log_file: BinaryIO
+    holds: Path
+    """Its VLLM_RELOADER_FAILPOINT_DIR: `<name>.hold` there holds the extension at <name>."""
     http: httpx.Client = field(init=False)
 
     def __post_init__(self) -> None:
@@ -82,17 +84,20 @@ class Engine:
 
 
 def start_engine(model: Path, log_path: Path, port: int | None = None, *, extension: bool = True) -> Engine:
-    """A real CPU vLLM engine, by default with the reloader's worker extension."""
+    """A real CPU vLLM engine, by default with the reloader's worker extension; its failpoint
+    directory (for holds) is `<log dir>/failpoints`."""
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
         pytest.fail(f"vLLM is not installed in this environment ({exc}); run the README's test command")
     port = port or free_port()
-    env = {**os.environ, **ENGINE_ENV}
+    holds = log_path.parent / "failpoints"
+    holds.mkdir(exist_ok=True)
+    env = {**os.environ, **ENGINE_ENV, "VLLM_RELOADER_FAILPOINT_DIR": str(holds)}
     command = engine_command(model, port, ENGINE_DTYPE, extension=extension)
     log = log_path.open("wb")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    engine = Engine(f"http://127.0.0.1:{port}", model, process, log_path, log)
+    engine = Engine(f"http://127.0.0.1:{port}", model, process, log_path, log, holds)
     deadline = time.monotonic() + ENGINE_START_TIMEOUT
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -172,7 +177,7 @@ def daemon_config(path: Path, *, root: Path, engine_url: str, state_dir: Path) -
 
 def session_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Path, Path]]:
     """Yields (engine, root, staging): engine started on ROOT/step-1 (seed 1), and
-    staging/seed-2 holding a second checkpoint with the same layout, other weights."""
+    staging/seed-2 and seed-3 holding checkpoints with the same layout, other weights."""
     from vllm_reloader.tools.publish import publish
     from vllm_reloader.tools.tinymodel import write_checkpoint
 
@@ -180,6 +185,7 @@ def session_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[E
     root, staging = base / "root", base / "staging"
     publish(write_checkpoint(staging / "seed-1", seed=1), root, step=1)
     write_checkpoint(staging / "seed-2", seed=2)
+    write_checkpoint(staging / "seed-3", seed=3)
     engine = start_engine(root / "step-1", base / "engine.log")
     try:
         yield engine, root, staging

@@ -92,8 +92,10 @@ def hot_swap(
                     client.wake_up(("weights",))
             with _timed(timings, "reload"):
                 load = client.reload_weights(target.path, extension=extension, files=target.files)
-        except EngineError as exc:
-            raise _restore(client, fallback, str(exc), extension, woken=_wake(client, asleep)) from exc
+        except EngineError as exc:  # a writer at the files makes it no fault of the checkpoint's
+            changed = target.changed() is not None
+            woken = _wake(client, asleep)
+            raise _restore(client, fallback, str(exc), extension, woken=woken, changed=changed) from exc
         if asleep:
             with _timed(timings, "wake"):
                 client.wake_up(("kv_cache",))

@@ -1,6 +1,6 @@
 """How the extension reads a checkpoint's tensors for `reload_weights(weights_iterator=…)`.
 
-vLLM's own iterator mmaps each shard and yields its tensors in file order (alphabetical:
+vLLM's own iterator maps each shard into memory and yields its tensors in file order (alphabetical:
 `layers.10` before `layers.2`), pageable memory, one page fault at a time. Here several
 threads `pread` the tensors, in the order the model's modules consume them, into a few
 reused host buffers (pinned with an accelerator: the copy to the device is then a straight
