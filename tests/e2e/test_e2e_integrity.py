@@ -125,20 +125,21 @@ def test_e2e_rollback_goes_to_an_intact_checkpoint_when_the_last_good_one_was_de
     newest = world.publish("A" if older_weights == "B" else "B", step=_next_step_above_serving(world))
     world.daemon.wait_for("reload.succeeded", version=newest, timeout=120)
     world.serving, world.expected = newest, world.engine.complete()
+    bad_step, next_step = _next_step_above_serving(world), _next_step_above_serving(world) + 10**6
     shutil.rmtree(world.root / newest)  # save_total_limit took the serving one
 
     name, staged = world.stage("C")
     for shard in staged.glob("*.safetensors"):
         tensors = load_file(str(shard))
         save_file({k: (v.float() * 1e15).to(v.dtype) for k, v in tensors.items()}, str(shard))
-    list_files(staged, name, step=_next_step_above_serving(world))  # above the deleted one's
+    list_files(staged, name, step=bad_step)
     staged.rename(world.root / name)
     rolled = world.daemon.wait_for("reload.rolled_back", version=name, timeout=120)
     assert rolled["to_version"] == older and rolled["cause"] == "canary"
     world.serving, world.expected = older, older_answers
     world.assert_unchanged()
 
-    following = world.publish(older_weights, step=_next_step_above_serving(world) + 10**7)
+    following = world.publish(older_weights, step=next_step)
     world.daemon.wait_for("reload.succeeded", version=following, timeout=120)
     world.serving = following
     world.assert_unchanged()  # the same weights as `older`: the same answers

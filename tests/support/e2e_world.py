@@ -41,6 +41,8 @@ class World:
         self.outputs_b: list[str] | None = None  # B's answers, once a test has loaded B
         self.serving = "step-1"
         self.holds = engine.holds
+        self.highest = 1
+        """The highest step handed out: above anything served, wherever it came from."""
 
     def stage(self, weights: str) -> tuple[str, Path]:
         """Copy checkpoint A or B into an ignored dot-dir of the root, ready to rename."""
@@ -51,7 +53,9 @@ class World:
 
     def publish(self, weights: str, *, step: int | None = None) -> str:
         name, staged = self.stage(weights)
-        list_files(staged, name, step=step or int(name.split("-")[1]))
+        step = step or int(name.split("-")[1])
+        self.highest = max(self.highest, step)
+        list_files(staged, name, step=step)
         staged.rename(self.root / name)
         return name
 
@@ -92,6 +96,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
 def _next_step_above_serving(world: World) -> int:
     try:
         manifest = json.loads((world.root / world.serving / "manifest.json").read_text())
-    except FileNotFoundError:  # served from elsewhere (the object store's cache): any step is newer
-        return 2 * 10**6 + next(_steps)
-    return int(manifest.get("step") or 1) + next(_steps)
+        step = int(manifest.get("step") or 1) + next(_steps)
+    except FileNotFoundError:  # served from elsewhere (the object store's cache), or deleted
+        step = world.highest + next(_steps)
+    world.highest = max(world.highest, step)
+    return step
