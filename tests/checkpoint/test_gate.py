@@ -282,10 +282,10 @@ def test_gate_pending_when_a_shard_is_rewritten_while_it_is_hashed(
     directory = make_checkpoint("step-1")
     real = gate.scan.read
 
-    def rewrite_then_read(where, work, buffer):
+    def rewrite_then_read(where, work, *args, **kwargs):
         shard = directory / "model.safetensors"
         shard.write_bytes(shard.read_bytes())  # a trainer saving again over the same path
-        return real(where, work, buffer)
+        return real(where, work, *args, **kwargs)
 
     monkeypatch.setattr(gate.scan, "read", rewrite_then_read)
     verdict = gate.check(directory, serving=None)

@@ -42,7 +42,7 @@ DTYPES = {
 _TABLES = {name: bytes(1 if b in bits.top_values else 0 for b in range(256)) for name, bits in DTYPES.items()}
 
 
-def _candidates(tops: bytes, bits: _Bits, table: bytes) -> list[int]:
+def _candidates(tops: bytes | bytearray, bits: _Bits, table: bytes) -> list[int]:
     """Element indexes whose top byte has the exponent's high bits all set. Two values
     (0x7F, 0xFF) are found with memchr-speed `find`; more go through one `translate`."""
     if len(bits.top_values) > 2:
@@ -60,12 +60,13 @@ def _candidates(tops: bytes, bits: _Bits, table: bytes) -> list[int]:
     return found
 
 
-def _has_non_finite(chunk: memoryview, bits: _Bits, table: bytes) -> bool:
-    tops = bytes(chunk[bits.top :: bits.stride])
+def _has_non_finite(data: bytearray, start: int, end: int, bits: _Bits, table: bytes) -> bool:
+    # A stepped slice of the bytearray itself: C speed (one of a memoryview is ~15x slower).
+    tops = data[start + bits.top : end : bits.stride]
     for index in _candidates(tops, bits, table):
         if not bits.low_mask:
             return True
-        if chunk[index * bits.stride + bits.top - 1] & bits.low_mask == bits.low_mask:
+        if data[start + index * bits.stride + bits.top - 1] & bits.low_mask == bits.low_mask:
             return True
     return False
 
@@ -76,8 +77,8 @@ def element_bytes(dtype: str) -> int:
     return bits.stride if bits else 0
 
 
-def holds_non_finite(data: memoryview, dtype: str) -> bool:
-    """Whether these whole elements of a tensor of `dtype` hold a NaN or Inf (False for
-    dtypes that cannot: integers, booleans)."""
+def holds_non_finite(data: bytearray, start: int, end: int, dtype: str) -> bool:
+    """Whether the whole elements in `data[start:end]` of a tensor of `dtype` hold a NaN or
+    Inf (False for dtypes that cannot: integers, booleans)."""
     bits = DTYPES.get(dtype)
-    return bits is not None and _has_non_finite(data, bits, _TABLES[dtype])
+    return bits is not None and _has_non_finite(data, start, end, bits, _TABLES[dtype])

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 import time
 import traceback
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -167,15 +168,21 @@ def _index_problem(listing: Listing, manifest: Manifest) -> str | None:
     return None
 
 
-def _read_bytes(directory: Path, work: list[scan.Work], threads: int) -> scan.Found | None:
+def _read_bytes(directory: Path, work: list[scan.Work], run: Run) -> scan.Found | None:
     """Every byte once: digests and the NaN/Inf scan, largest files first (so one big shard
-    does not start last and finish alone)."""
+    does not start last and finish alone), on the caller's long-lived pool if it has one."""
     if not work:
         return None
     work = sorted(work, key=lambda w: w.entry.size, reverse=True)
-    with ThreadPoolExecutor(max_workers=min(threads, len(work))) as pool:
-        results = pool.map(lambda w: scan.read(directory, w, bytearray(scan.CHUNK)), work)
-        return next((r for r in results if r), None)
+    run.progress.total = sum(w.entry.size for w in work)
+
+    def one(item: scan.Work) -> scan.Found | None:
+        return scan.read(directory, item, cancel=run.cancel, progress=run.progress)
+
+    if run.pool is not None:
+        return next((r for r in run.pool.map(one, work) if r), None)
+    with ThreadPoolExecutor(max_workers=min(run.threads, len(work))) as pool:
+        return next((r for r in pool.map(one, work) if r), None)
 
 
 def _settled(directory: Path) -> DirectoryListing:
@@ -189,17 +196,31 @@ def _settled(directory: Path) -> DirectoryListing:
     return DirectoryListing(directory)
 
 
+@dataclass(frozen=True)
+class Run:
+    """How one check runs: on whose threads, how far it got, and how to call it off."""
+
+    threads: int = 4
+    pool: Executor | None = None
+    """Reading threads made once by a long-lived caller (None: made for this check)."""
+    cancel: threading.Event | None = None
+    progress: scan.Progress = field(default_factory=scan.Progress)
+
+
 def check(
     directory: Path,
     *,
     serving: layout.Layout | None,
     options: GateOptions = GateOptions(),
     now: float | None = None,
+    run: Run | None = None,
 ) -> Verdict:
-    """Judge one checkpoint directory. `serving=None` skips the layout comparison."""
+    """Judge one checkpoint directory. `serving=None` skips the layout comparison. Called off
+    through `run.cancel`, the verdict is pending with `details["cancelled"]`."""
     now = time.time() if now is None else now
+    run = run or Run(threads=options.digest_threads)
     try:
-        return _check(directory, serving, options, now)
+        return _check(directory, serving, options, now, run)
     except FileNotFoundError as exc:
         return _pending(f"{Path(exc.filename or directory).name} disappeared while checking")
     except PermissionError as exc:
@@ -224,7 +245,9 @@ def _fingerprint_or_empty(directory: Path, convention: Convention) -> str:
         return ""
 
 
-def _check(directory: Path, serving: layout.Layout | None, options: GateOptions, now: float) -> Verdict:
+def _check(
+    directory: Path, serving: layout.Layout | None, options: GateOptions, now: float, run: Run
+) -> Verdict:
     if not stat.S_ISDIR(os.lstat(directory).st_mode):
         return _rejected(
             f"{directory.name} is not a directory (a symlink is never a checkpoint)", check="paths"
@@ -266,7 +289,9 @@ def _check(directory: Path, serving: layout.Layout | None, options: GateOptions,
         for item in checked
         if item.sha256 or item.blake3 or item.path in scanned
     ]
-    if (found := _read_bytes(directory, work, options.digest_threads)) is not None:
+    if (found := _read_bytes(directory, work, run)) is not None:
+        if found.check == "cancelled":
+            return Verdict("pending", found.reason, manifest, fp, {"cancelled": True})
         if found.check == "changed":
             return _pending(found.reason, manifest, fp)
         return _rejected(found.reason, manifest, fp, check=found.check)

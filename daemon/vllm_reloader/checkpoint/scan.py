@@ -13,8 +13,9 @@ element size), so the non-finite scan never sees half an element.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,9 +28,34 @@ CHUNK = 8 << 20
 
 @dataclass(frozen=True)
 class Found:
-    check: Literal["digests", "finite", "changed"]
+    check: Literal["digests", "finite", "changed", "cancelled"]
     reason: str
     tensor: str | None = None
+
+
+@dataclass
+class Progress:
+    """Bytes read of the bytes to read, for `status` while a big checkpoint is checked
+    (updated by the reading threads, read by anyone)."""
+
+    total: int = 0
+    done: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.done += n
+
+
+_buffers = threading.local()
+
+
+def _buffer(size: int) -> bytearray:
+    """One reused read buffer per reading thread (pools live as long as the daemon)."""
+    found: bytearray | None = getattr(_buffers, "buffer", None)
+    if found is None or len(found) != size:
+        found = _buffers.buffer = bytearray(size)
+    return found
 
 
 @dataclass(frozen=True)
@@ -68,16 +94,27 @@ def _segments(size: int, header: Header | None, chunk: int) -> Iterator[tuple[in
         yield from ((o, min(o + chunk, size)) for o in range(end, size, chunk))
 
 
-def _non_finite(view: memoryview, start: int, end: int, tensors: list[Tensor]) -> str | None:
+def _non_finite(buffer: bytearray, start: int, end: int, tensors: list[Tensor]) -> str | None:
+    """The first tensor with a NaN or Inf among the bytes [start, end) of the file, which
+    sit at the start of `buffer`."""
     for tensor in tensors:
         low, high = max(tensor.start, start), min(tensor.end, end)
-        if low < high and finite.holds_non_finite(view[low - start : high - start], tensor.dtype):
+        if low < high and finite.holds_non_finite(buffer, low - start, high - start, tensor.dtype):
             return tensor.name
     return None
 
 
-def read(directory: Path, work: Work, buffer: bytearray) -> Found | None:
-    """Read one file once: digests checked, float tensors scanned; None when all is well."""
+def read(
+    directory: Path,
+    work: Work,
+    buffer: bytearray | None = None,
+    *,
+    cancel: threading.Event | None = None,
+    progress: Progress | None = None,
+) -> Found | None:
+    """Read one file once: digests checked, float tensors scanned; None when all is well.
+    `cancel` stops it between chunks (Found "cancelled")."""
+    buffer = buffer if buffer is not None else _buffer(CHUNK)
     entry = work.entry
     fd = open_regular(directory / entry.path)
     try:
@@ -88,11 +125,15 @@ def read(directory: Path, work: Work, buffer: bytearray) -> Found | None:
         view = memoryview(buffer)
         try:
             for start, end in _segments(entry.size, work.header, len(buffer)):
+                if cancel is not None and cancel.is_set():
+                    return Found("cancelled", f"{entry.path}: checking it was called off")
                 part = view[: end - start]
                 read_exactly(fd, part, start)
+                if progress is not None:
+                    progress.add(end - start)
                 for state in states.values():
                     state.update(part)
-                if tensors and (name := _non_finite(part, start, end, tensors)):
+                if tensors and (name := _non_finite(buffer, start, end, tensors)):
                     reason = f"{entry.path}: tensor {name} holds NaN or Inf values (a diverged run?)"
                     return Found("finite", reason, name)
         except OSError:

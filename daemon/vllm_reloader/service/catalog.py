@@ -18,6 +18,7 @@ from ..checkpoint import completeness, order
 from ..checkpoint.completeness import Convention, DirectoryListing
 from ..sources import cache, local
 from .reconcile import version_of
+from .served import Served
 from .state import Loaded, Rejection
 
 
@@ -39,6 +40,8 @@ class Catalog:
         self.pinned = pinned
         self.dirty: set[str] = set()
         """Names something happened to since the last look (watcher events, downloads)."""
+        self.recheck_at: dict[str, float] = {}
+        """Pending candidates are gated again only from then on (or once something changes)."""
         self.last_scan = 0.0
         self.skipped: set[str] = set()
         """Names that can never be candidates, warned about once."""
@@ -74,6 +77,27 @@ class Catalog:
     def forget(self, name: str) -> None:
         self.candidates.pop(name, None)
         self.pending.pop(name, None)
+        self.recheck_at.pop(name, None)
+
+    def changed(self, name: str) -> None:
+        """Something under ROOT/name changed: look at it, and gate it again, now."""
+        self.dirty.add(name)
+        self.recheck_at.pop(name, None)
+
+    def next_to_gate(
+        self, serving: Loaded | None, serving_key: order.OrderKey | None, now: float
+    ) -> order.Candidate | None:
+        """The newest candidate worth gating that is not waiting for its recheck."""
+        worth = self.worth_trying(serving, serving_key)
+        return next((c for c in worth if self.recheck_at.get(c.name, 0.0) <= now), None)
+
+    def next_recheck(self) -> float | None:
+        return min((at for name, at in self.recheck_at.items() if name in self.pending), default=None)
+
+    def waiting(self, name: str, reason: str, until: float) -> None:
+        """A pending verdict: said once per reason, gated again from `until`."""
+        self.note_pending(name, reason)
+        self.recheck_at[name] = until
 
     def rejected_fingerprints(self) -> dict[str, str]:
         """name → the fingerprint it was rejected with: retried only once that changes."""
@@ -103,10 +127,16 @@ class Catalog:
             for c in order.to_try(self.candidates, serving=serving_key, rejected=self.rejected_fingerprints())
         }
 
-    def prune(self, protected: set[str], serving_key: order.OrderKey | None, keep: int) -> None:
-        """Delete downloaded checkpoints but the protected, the pinned, those that would load
-        next (downloaded for that), and the `keep` newest others."""
-        protected = protected | self.newer_than(serving_key) | ({self.pinned} if self.pinned else set())
+    def prune_downloads(self, served: Served, in_flight: str | None, keep: int) -> None:
+        """Delete downloaded checkpoints but what serves, the last good one (nobody else
+        deletes from the cache, so it stays intact: enough to roll back to), the engine's
+        startup model, the one in flight, the pinned one, those that would load next, and
+        the `keep` newest others."""
+        protected = {loaded.name for loaded in (served.serving, served.last_good) if loaded is not None}
+        protected |= {name for name in (in_flight, self.pinned) if name}
+        if served.startup and Path(served.startup).parent == self.root:
+            protected.add(Path(served.startup).name)
+        protected |= self.newer_than(served.serving_key())
         for name in cache.prune(self.root, cache.to_prune(self.candidates, protected=protected, keep=keep)):
             self.forget(name)
             self.log.info("cache.pruned", name=name, kept=sorted(protected))

@@ -31,6 +31,7 @@ from .messages import (
     ControlRequest,
     Downloaded,
     FileChanged,
+    GateFinished,
     Message,
     Rejected,
     ReloadFinished,
@@ -236,6 +237,8 @@ class Daemon:
                 self.reloader.prune_cache()
             case Rejected(name, version, reason, fingerprint, check):
                 self.reloader.rejected_remotely(name, version, reason, fingerprint, check)
+            case GateFinished():
+                self.reloader.gated(message)
             case ReloadFinished(outcome):
                 self.reloader.finished(outcome)
             case ControlRequest(request, reply):

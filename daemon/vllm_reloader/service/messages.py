@@ -13,6 +13,7 @@ from typing import Any
 
 from ..sources.remote import Downloaded, Rejected
 from .control import Reply
+from .gating import GateFinished
 from .jobs import Outcome
 
 
@@ -43,11 +44,14 @@ class SignalReceived:
     signum: int
 
 
-Message = FileChanged | Downloaded | Rejected | ReloadFinished | ControlRequest | SignalReceived
+Message = (
+    FileChanged | Downloaded | Rejected | GateFinished | ReloadFinished | ControlRequest | SignalReceived
+)
 __all__ = [
     "ControlRequest",
     "Downloaded",
     "FileChanged",
+    "GateFinished",
     "Message",
     "Rejected",
     "ReloadFinished",

@@ -19,15 +19,15 @@ from ..checkpoint.manifest import MANIFEST_NAME
 from ..config import Config
 from ..engine.client import EXTENSION, RELOADING_PREFIX, STARTUP_VERSION, EngineClient
 from ..engine.swap import Target
-from ..errors import EngineCallFailed, EngineError, EngineUnavailable, StateError
-from . import outcomes, reconcile, rollback
-from . import state as state_store
+from ..errors import EngineCallFailed, EngineError, EngineUnavailable
+from . import outcomes, reconcile, rollback, status
 from .catalog import Catalog
+from .gating import GateFinished, Gater, Gating
 from .jobs import Job, Outcome, ReloadWorker
 from .messages import ReloadFinished
 from .metrics import Metrics
 from .served import Served
-from .state import Loaded, State
+from .state import Loaded, State, StateFile
 from .status import Snapshot
 
 BUILTIN_LOADER = (
@@ -38,15 +38,14 @@ FIX_LOADER = f"start vLLM with --worker-extension-cls {EXTENSION}"
 
 
 class Reloader:
-    def __init__(self, config: Config, client: EngineClient, post: Callable[[ReloadFinished], None]) -> None:
+    def __init__(
+        self, config: Config, client: EngineClient, post: Callable[[ReloadFinished | GateFinished], None]
+    ) -> None:
         self.config = config
         self.client = client
         self.log = log.get()
-        saved, aside = state_store.load_or_set_aside(config.state.dir)
-        if aside is not None:
-            self.log.error(
-                "state.corrupt", moved_to=str(aside), reason="unreadable; starting from the engine's word"
-            )
+        self.state_file = StateFile(config.state.dir, self.log)
+        saved = self.state_file.saved
         self.catalog = Catalog(
             config.checkpoint_root,
             ignore=config.source.ignore,
@@ -56,11 +55,11 @@ class Reloader:
         )
         self.served = Served(saved.serving, saved.good, config.engine.retry_initial)
         self.in_flight: Job | None = None
-        self.saved = saved
+        self.gating: Gating | None = None
         self.metrics = Metrics()
         self.next_rescan = 0.0
-        self.next_recheck: float | None = None
         self.worker = ReloadWorker(lambda outcome: post(ReloadFinished(outcome)))
+        self.gater = Gater(post, config.gate.digest_threads)
 
     @property
     def root(self) -> Path:
@@ -68,11 +67,15 @@ class Reloader:
 
     def start(self) -> None:
         self.worker.start()
+        self.gater.start()
 
     def is_alive(self) -> bool:
-        return self.worker.is_alive()
+        return self.worker.is_alive() and self.gater.is_alive()
 
     def close(self) -> None:
+        if self.gating is not None:
+            self.gating.cancel.set()
+        self.gater.close()
         self.worker.close()
         if self.served.resume_owed:
             self._retry_resume()
@@ -95,8 +98,8 @@ class Reloader:
         deadlines = [self.next_rescan]
         if served.reconciled and self.in_flight is None:
             deadlines.append(served.next_check)
-        if self.next_recheck is not None:
-            deadlines.append(self.next_recheck)
+        if self.gating is None and (recheck := self.catalog.next_recheck()) is not None:
+            deadlines.append(recheck)
         if not served.reconciled or served.resume_owed:
             deadlines.append(served.retry_at)
         return min(deadlines)
@@ -125,25 +128,16 @@ class Reloader:
         self._advance()
 
     def snapshot(self) -> Snapshot:
-        served = self.served
-        return Snapshot(
-            serving=served.serving,
-            last_good=served.last_good,
-            rollback=served.rollback,
-            last_reload=dict(served.last_reload) if served.last_reload else None,
-            reloading=self.in_flight.target.version if self.in_flight else None,
-            pinned=self.catalog.pinned,
-            pending=dict(sorted(self.catalog.pending.items())),
-            rejected=dict(sorted(self.catalog.rejected.items())),
-            engine_url=self.config.engine.url,
-            engine_reachable=served.up,
-            last_scan=self.catalog.last_scan,
+        return status.snapshot_of(
+            self.served, self.catalog, self.in_flight, self.gating, self.config.engine.url
         )
 
     # -- inputs from the loop -------------------------------------------------------------
 
     def changed(self, name: str) -> None:
-        self.catalog.dirty.add(name)
+        self.catalog.changed(name)
+        if self.gating is not None and self.gating.candidate.name == name:
+            self.gating.cancel.set()  # judged on files that are no longer the ones there
 
     def rejected_remotely(self, name: str, version: str, reason: str, fingerprint: str, check: str) -> None:
         self._reject(name, version, reason, fingerprint, check=check)
@@ -199,6 +193,7 @@ class Reloader:
     def check_now(self) -> None:
         """`reload`: rescan the root and ask the engine now, instead of at the next timer."""
         self.next_rescan = self.served.next_check = self.served.retry_at = 0.0
+        self.catalog.recheck_at.clear()
 
     # -- the engine: what it holds, and loading ------------------------------------------
 
@@ -267,34 +262,45 @@ class Reloader:
         return target
 
     def _advance(self) -> None:
+        """Ask the gate thread about the newest candidate worth it; never judge on the loop."""
         if self.served.baseline is None or self.in_flight is not None:
             return
-        options = gate.GateOptions.from_config(self.config)
-        self.next_recheck = None
-        for candidate in self.catalog.worth_trying(self.served.serving, self.served.serving_key()):
-            directory = self.root / candidate.name
-            started = time.perf_counter()
-            verdict = gate.check(directory, serving=self.served.baseline, options=options)
-            gate_ms = round((time.perf_counter() - started) * 1000, 3)
-            if verdict.status == "pending":
-                self.catalog.note_pending(candidate.name, verdict.reason)
-                self.next_recheck = time.monotonic() + self.config.source.pending_recheck_interval
-            elif verdict.status == "rejected":
-                version = verdict.manifest.version if verdict.manifest else None
-                self._reject(candidate.name, version, verdict.reason, verdict.fingerprint, **verdict.details)
-            else:
-                manifest = verdict.manifest
-                assert manifest is not None
-                version = manifest.version or candidate.name
-                name, size = candidate.name, verdict.bytes
-                self.log.info("checkpoint.ready", name=name, version=version, bytes=size, gate_ms=gate_ms)
-                self.catalog.pending.pop(name, None)
-                files = dict(verdict.files)
-                loading = Loaded(
-                    name=name, version=version, path=str(directory), since=0, step=manifest.step, files=files
-                )
-                self._load(order.Candidate(name, manifest.step, verdict.fingerprint), loading, size)
-                return
+        served = self.served
+        if self.gating is not None:  # a newer one than the one being judged: judge that first
+            best = self.catalog.next_to_gate(served.serving, served.serving_key(), time.monotonic())
+            if best is not None and best.key > self.gating.candidate.key:
+                self.gating.cancel.set()
+            return
+        candidate = self.catalog.next_to_gate(served.serving, served.serving_key(), time.monotonic())
+        if candidate is not None:
+            options = gate.GateOptions.from_config(self.config)
+            self.gating = self.gater.submit(candidate, self.root / candidate.name, served.baseline, options)
+
+    def gated(self, finished: GateFinished) -> None:
+        """A verdict came back from the gate thread: wait, reject, or load."""
+        self.gating = None
+        verdict, name = finished.verdict, finished.gating.candidate.name
+        if finished.cancelled or name not in self.catalog.candidates:
+            return  # asked again at the next tick, about what is there now
+        if verdict.status == "pending":
+            until = time.monotonic() + self.config.source.pending_recheck_interval
+            self.catalog.waiting(name, verdict.reason, until)
+        elif verdict.status == "rejected":
+            version = verdict.manifest.version if verdict.manifest else None
+            self._reject(name, version, verdict.reason, verdict.fingerprint, **verdict.details)
+        else:
+            manifest = verdict.manifest
+            assert manifest is not None
+            version, size, gate_ms = (
+                manifest.version or name,
+                verdict.bytes,
+                round(finished.seconds * 1000, 3),
+            )
+            self.log.info("checkpoint.ready", name=name, version=version, bytes=size, gate_ms=gate_ms)
+            self.catalog.pending.pop(name, None)
+            path, files = str(finished.gating.directory), dict(verdict.files)
+            loading = Loaded(name=name, version=version, path=path, since=0, step=manifest.step, files=files)
+            self._load(order.Candidate(name, manifest.step, verdict.fingerprint), loading, size)
 
     def _load(self, candidate: order.Candidate, loading: Loaded, size: int) -> None:
         served = self.served
@@ -329,15 +335,10 @@ class Reloader:
         self.worker.submit(self.in_flight)
 
     def prune_cache(self) -> None:
-        """Downloads only (a local root is the trainer's): keep what serves or may be rolled back to.
-        Nobody else deletes from the cache, so the last good one stays intact: it is enough."""
+        """Downloads only (a local root is the trainer's): keep what serves or may be rolled back to."""
         if self.config.source.remote:
-            served = self.served
-            keep = {loaded.name for loaded in (served.serving, served.last_good) if loaded is not None}
-            keep |= {self.in_flight.candidate.name} if self.in_flight else set()
-            if served.startup and Path(served.startup).parent == self.root:
-                keep.add(Path(served.startup).name)
-            self.catalog.prune(keep, served.serving_key(), self.config.state.keep)
+            in_flight = self.in_flight.candidate.name if self.in_flight else None
+            self.catalog.prune_downloads(self.served, in_flight, self.config.state.keep)
 
     def set_serving(self, serving: Loaded | None, *, good: Loaded | None = None) -> None:
         if serving is not None and serving.step is not None:
@@ -353,22 +354,15 @@ class Reloader:
         self._persist()
 
     def _persist(self) -> None:
-        """Keep serving when the state disk fails: the engine, not this file, is the truth."""
         served, catalog = self.served, self.catalog
-        new = State(
-            serving=served.serving,
-            good=served.good,
-            rejected=dict(catalog.rejected),
-            pinned=catalog.pinned,
+        self.state_file.save(
+            State(
+                serving=served.serving,
+                good=served.good,
+                rejected=dict(catalog.rejected),
+                pinned=catalog.pinned,
+            )
         )
-        if new == self.saved:
-            return
-        try:
-            state_store.save(self.config.state.dir, new)
-        except StateError as exc:
-            self.log.error("state.write_failed", reason=str(exc))
-            return
-        self.saved = new
 
     def engine_down(self, exc: EngineError) -> None:
         wait = self.served.went_down(time.monotonic(), self.config.engine.retry_max)

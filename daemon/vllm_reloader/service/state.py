@@ -109,3 +109,26 @@ def save(directory: Path, state: State) -> None:
         replace_atomically(directory / STATE_NAME, state.model_dump_json(indent=1).encode())
     except OSError as exc:
         raise StateError(f"cannot write {directory / STATE_NAME}: {exc.strerror}") from exc
+
+
+class StateFile:
+    """The state file, written whenever what it holds changes. A disk that fails is logged,
+    not fatal: the engine, not this file, is the truth about what is served."""
+
+    def __init__(self, directory: Path, log: Any) -> None:
+        self.directory, self.log = directory, log
+        self.saved, aside = load_or_set_aside(directory)
+        if aside is not None:
+            log.error(
+                "state.corrupt", moved_to=str(aside), reason="unreadable: starting from what the engine says"
+            )
+
+    def save(self, new: State) -> None:
+        if new == self.saved:
+            return
+        try:
+            save(self.directory, new)
+        except StateError as exc:
+            self.log.error("state.write_failed", reason=str(exc))
+            return
+        self.saved = new

@@ -1,6 +1,7 @@
 """What the daemon tells its operators: the control socket's `status` answer, the one line
 systemd shows (`STATUS=`), and the on-call view `vllm-reloader status` prints. All three
-render a `Snapshot`: immutable, taken on the main loop, so nothing here reads live state."""
+render a `Snapshot`: immutable, taken on the main loop from the state's owners, so nothing
+here reads live state (and nothing here knows the daemon)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .catalog import Catalog
+from .gating import Gating
+from .jobs import Job
+from .served import Served
 from .state import Loaded, Rejection
 
 
@@ -21,6 +26,8 @@ class Snapshot:
     """The version a failed reload would go back to; None: nothing intact is left."""
     last_reload: Mapping[str, Any] | None
     reloading: str | None
+    gating: Mapping[str, object] | None
+    """The candidate being judged: name, bytes read (`done`) of `total`."""
     pinned: str | None
     pending: Mapping[str, str]
     rejected: Mapping[str, Rejection]
@@ -30,6 +37,28 @@ class Snapshot:
     source_url: str | None = None
     """An object-store source; then `source_failing` says what fails now."""
     source_failing: Mapping[str, str] = field(default_factory=dict)
+
+
+def snapshot_of(
+    served: Served, catalog: Catalog, in_flight: Job | None, gating: Gating | None, engine_url: str
+) -> Snapshot:
+    """Taken on the main loop, from the objects that own the state."""
+    return Snapshot(
+        serving=served.serving,
+        last_good=served.last_good,
+        rollback=served.rollback,
+        last_reload=dict(served.last_reload) if served.last_reload else None,
+        reloading=in_flight.target.version if in_flight else None,
+        gating=None
+        if gating is None
+        else {"name": gating.candidate.name, "done": gating.progress.done, "total": gating.progress.total},
+        pinned=catalog.pinned,
+        pending=dict(sorted(catalog.pending.items())),
+        rejected=dict(sorted(catalog.rejected.items())),
+        engine_url=engine_url,
+        engine_reachable=served.up,
+        last_scan=catalog.last_scan,
+    )
 
 
 def _escape(char: str) -> str:
@@ -54,6 +83,7 @@ def answer(snapshot: Snapshot) -> dict[str, Any]:
         "rollback": snapshot.rollback,
         "last_reload": dict(snapshot.last_reload) if snapshot.last_reload else None,
         "reloading": snapshot.reloading,
+        "gating": dict(snapshot.gating) if snapshot.gating else None,
         "pinned": snapshot.pinned,
         "pending": dict(snapshot.pending),
         "rejected": {name: r.model_dump() for name, r in snapshot.rejected.items()},
@@ -117,6 +147,13 @@ def render(answer: dict[str, Any]) -> str:
         lines.append(f"pinned    {answer['pinned']}  (not auto-advancing; `vllm-reloader unpin` resumes)")
     if answer.get("reloading"):
         lines.append(f"reloading {answer['reloading']}")
+    if gating := answer.get("gating"):
+        read = (
+            f"{gating['done'] / 1e9:.2f} of {gating['total'] / 1e9:.2f} GB read"
+            if gating["total"]
+            else "headers"
+        )
+        lines.append(f"gating    {gating['name']}: {read}")
     last = answer.get("last_reload")
     if last:
         lines.append(f"last      {last['version']} in {last['duration_ms']:.0f} ms, {_ago(last['at'])} ago")

@@ -1,0 +1,92 @@
+"""The gate thread: judges one candidate at a time off the main loop.
+
+Gating a 16 GB checkpoint reads 16 GB; a 1.5 TB one, minutes of reading. On the loop that
+would stop the systemd watchdog pings and the control socket for as long (systemd kills a
+daemon that stops pinging, and it would gate the same checkpoint again after the restart,
+forever). So the loop only asks; the verdict comes back as a message. A gate can be called
+off — its candidate changed, a newer one arrived, the daemon stops — and says how far it got.
+
+The reading threads are made once, with the thread, not per gate.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..checkpoint import gate, layout, order, scan
+
+
+@dataclass(frozen=True)
+class Gating:
+    """One candidate being judged."""
+
+    candidate: order.Candidate
+    directory: Path
+    cancel: threading.Event = field(default_factory=threading.Event)
+    progress: scan.Progress = field(default_factory=scan.Progress)
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class GateFinished:
+    """The gate thread's verdict on `gating.candidate` (pending and `cancelled` if called off)."""
+
+    gating: Gating
+    verdict: gate.Verdict
+    seconds: float
+
+    @property
+    def cancelled(self) -> bool:
+        return bool(self.verdict.details.get("cancelled"))
+
+
+@dataclass(frozen=True)
+class _Job:
+    gating: Gating
+    serving: layout.Layout | None
+    options: gate.GateOptions
+
+
+class Gater:
+    def __init__(self, post: Callable[[GateFinished], None], threads: int) -> None:
+        self._post = post
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="gate-read")
+        self._threads = threads
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="gate", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._jobs.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def submit(
+        self,
+        candidate: order.Candidate,
+        directory: Path,
+        serving: layout.Layout | None,
+        options: gate.GateOptions,
+    ) -> Gating:
+        gating = Gating(candidate, directory)
+        self._jobs.put(_Job(gating, serving, options))
+        return gating
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            gating = job.gating
+            run = gate.Run(self._threads, self._pool, gating.cancel, gating.progress)
+            verdict = gate.check(gating.directory, serving=job.serving, options=job.options, run=run)
+            self._post(GateFinished(gating, verdict, time.perf_counter() - gating.started))
