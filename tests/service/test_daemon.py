@@ -263,3 +263,14 @@ def test_daemon_exits_1_when_a_helper_thread_dies(start, root, make_checkpoint, 
     assert died["thread"] == {"watcher": "watcher", "control": "control socket"}[helper]
     running.wait_for("daemon.stopped", exit_code=1)
     assert running.daemon.exit_code == 1 and not engine.paused
+
+
+def test_daemon_warms_the_engine_up_after_reconciling_so_the_first_canary_is_not_the_slow_one(
+    start, root, make_checkpoint
+):
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    running = start(engine)
+    warmed = running.wait_for("engine.warmed")
+    assert warmed["problem"] is None and warmed["ms"] >= 0
+    assert "/v1/completions" in engine.calls and not [c for c in engine.calls if c.startswith("reload:")]

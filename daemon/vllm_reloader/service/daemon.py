@@ -36,6 +36,7 @@ from .messages import (
     Rejected,
     ReloadFinished,
     SignalReceived,
+    WarmedUp,
 )
 from .notify import Notifier
 from .reloader import Reloader
@@ -241,6 +242,8 @@ class Daemon:
                 self.reloader.gated(message)
             case ReloadFinished(outcome):
                 self.reloader.finished(outcome)
+            case WarmedUp(seconds, problem):
+                self.log.info("engine.warmed", ms=round(seconds * 1000, 1), problem=problem)
             case ControlRequest(request, reply):
                 if reply.claim():  # else its client was told it timed out: do nothing
                     reply.put(self._control(request))

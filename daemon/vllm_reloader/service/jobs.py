@@ -63,10 +63,26 @@ class Outcome:
     """The files were no longer the verified ones before the pause: nothing was sent."""
 
 
+@dataclass(frozen=True)
+class WarmUp:
+    """One canary probe right after the engine is reconciled: its first logprobs request
+    costs seconds (CPU), paid here rather than by the first canary, with clients queued
+    behind the paused engine's resume."""
+
+    client: EngineClient
+    canary: CanaryConfig
+
+
+@dataclass(frozen=True)
+class WarmedUp:
+    seconds: float
+    problem: str | None
+
+
 class ReloadWorker:
-    def __init__(self, post: Callable[[Outcome], None]) -> None:
+    def __init__(self, post: Callable[[Outcome | WarmedUp], None]) -> None:
         self._post = post
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Job | WarmUp | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="reload-worker", daemon=True)
 
     def start(self) -> None:
@@ -75,7 +91,7 @@ class ReloadWorker:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, job: Job) -> None:
+    def submit(self, job: Job | WarmUp) -> None:
         self._jobs.put(job)
 
     def close(self, timeout: float = 5.0) -> None:
@@ -85,6 +101,10 @@ class ReloadWorker:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             started = time.perf_counter()
+            if isinstance(job, WarmUp):
+                problem = canary.probe(job.client, job.canary)
+                self._post(WarmedUp(time.perf_counter() - started, problem))
+                continue
             try:
                 outcome = self._one(job, started)
             except Exception as exc:  # a bug: the loop must hear of it; hot_swap has resumed

@@ -14,7 +14,7 @@ from typing import Any
 from ..sources.remote import Downloaded, Rejected
 from .control import Reply
 from .gating import GateFinished
-from .jobs import Outcome
+from .jobs import Outcome, WarmedUp
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,14 @@ class SignalReceived:
 
 
 Message = (
-    FileChanged | Downloaded | Rejected | GateFinished | ReloadFinished | ControlRequest | SignalReceived
+    FileChanged
+    | Downloaded
+    | Rejected
+    | GateFinished
+    | ReloadFinished
+    | WarmedUp
+    | ControlRequest
+    | SignalReceived
 )
 __all__ = [
     "ControlRequest",
@@ -56,4 +63,5 @@ __all__ = [
     "Rejected",
     "ReloadFinished",
     "SignalReceived",
+    "WarmedUp",
 ]

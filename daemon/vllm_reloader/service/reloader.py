@@ -23,7 +23,7 @@ from ..errors import EngineCallFailed, EngineError, EngineUnavailable
 from . import outcomes, reconcile, rollback, status
 from .catalog import Catalog
 from .gating import GateFinished, Gater, Gating
-from .jobs import Job, Outcome, ReloadWorker
+from .jobs import Job, Outcome, ReloadWorker, WarmedUp, WarmUp
 from .messages import ReloadFinished
 from .metrics import Metrics
 from .served import Served
@@ -39,7 +39,10 @@ FIX_LOADER = f"start vLLM with --worker-extension-cls {EXTENSION}"
 
 class Reloader:
     def __init__(
-        self, config: Config, client: EngineClient, post: Callable[[ReloadFinished | GateFinished], None]
+        self,
+        config: Config,
+        client: EngineClient,
+        post: Callable[[ReloadFinished | GateFinished | WarmedUp], None],
     ) -> None:
         self.config = config
         self.client = client
@@ -58,7 +61,9 @@ class Reloader:
         self.gating: Gating | None = None
         self.metrics = Metrics()
         self.next_rescan = 0.0
-        self.worker = ReloadWorker(lambda outcome: post(ReloadFinished(outcome)))
+        self.worker = ReloadWorker(
+            lambda done: post(ReloadFinished(done) if isinstance(done, Outcome) else done)
+        )
         self.gater = Gater(post, config.gate.digest_threads)
 
     @property
@@ -243,6 +248,8 @@ class Reloader:
             self.client.set_weight_version(serving.version)
         self.set_serving(serving)
         self._rollback_target()  # known before anything fails, and shown in `status`
+        if self.config.canary.enabled:
+            self.worker.submit(WarmUp(self.client, self.config.canary))
 
     def _restore_after_interrupted_reload(self, marker: str, unknown: Loaded) -> bool:
         """The weights may be a mix of two checkpoints: load a good one back, if one is left.
