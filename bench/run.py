@@ -23,19 +23,29 @@ import detection
 import download
 import footprint
 import gate
+import responsive
 
 import e2e
 
 QUICK = {
     "detection": ["--runs", "5"],
     "gate": ["--sizes-mb", "10", "--shards", "1,8"],
+    "responsive": ["--gb", "0.05", "--shards", "2", "--watchdog-ms", "400"],
     "download": ["--mb", "8", "--files", "2", "--rounds", "2", "--part-mb", "1"],
     "footprint": ["--checkpoints", "20", "--seconds", "2"],
     "e2e": ["--hidden", "64", "--layers", "2", "--rounds", "1"],
 }
 FULL = {
     "detection": [],
-    "gate": ["--sizes-mb", "10,100,1000,2000", "--shards", "1,8,64"],
+    "gate": [
+        "--sizes-mb",
+        "1000,8000,16000",
+        "--shards",
+        "1,8,64",
+        "--plot",
+        str(Path(__file__).parent / "gate.png"),
+    ],
+    "responsive": ["--gb", "16", "--shards", "8"],
     "download": [],
     "footprint": [],
     "e2e": [],
@@ -68,7 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     plan = QUICK if args.quick else FULL
     rows: list[dict[str, object]] = []
-    for module in (detection, gate, download, footprint, *((e2e,) if args.engine else ())):
+    for module in (detection, gate, responsive, download, footprint, *((e2e,) if args.engine else ())):
         name = module.__name__
         with contextlib.redirect_stdout(io.StringIO()):  # each prints its JSON lines; the table is ours
             found = module.main(plan[name])

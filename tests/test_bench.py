@@ -19,11 +19,14 @@ def test_bench_quick_run_writes_every_benchmark_with_its_ratio(tmp_path):
     by_name: dict[str, list[dict]] = {}
     for row in report["results"]:
         by_name.setdefault(row["benchmark"], []).append(row)
-    assert set(by_name) == {"detection", "gate", "download", "footprint"}
+    assert set(by_name) == {"detection", "gate", "responsive", "download", "footprint"}
     assert {r["mode"] for r in by_name["detection"]} == {"inotify", "polling"}
     assert all(r["ratio_p50"] > 0 for r in by_name["detection"])
     assert all(r["ratio"] > 0 for r in by_name["gate"] + by_name["download"])
     assert by_name["footprint"][0]["rss_ratio"] > 0
+    (responsive,) = by_name["responsive"]
+    assert responsive["status_answers_during_gate"] > 0 and responsive["watchdog_pings_during_gate"] > 0
+    assert all(r["ratio_vs_blake3"] > 0 and r["one_pass_speedup"] > 0 for r in by_name["gate"])
     assert "detection  mode=inotify" in result.stdout
 
 

@@ -7,7 +7,9 @@ only) and its identity compared with the one the listing recorded, before and af
 read: a file written meanwhile was not the file verified, so the verdict is `changed`.
 
 Reads are cut at tensor boundaries (a tensor larger than a chunk at a multiple of its
-element size), so the non-finite scan never sees half an element.
+element size), so the non-finite scan never sees half an element. Each chunk is scanned
+beside its hashing (blake3 runs without the GIL): a single big shard is checked about as
+fast as blake3 alone hashes it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -24,6 +27,8 @@ from .files import Header, Identity, Tensor, header_in, identity, open_regular, 
 from .manifest import ManifestFile, digest_mismatch, hashers
 
 CHUNK = 8 << 20
+_SCANNER = ThreadPoolExecutor(max(1, os.cpu_count() or 1), thread_name_prefix="nan-scan")
+"""The NaN scan of a chunk runs beside its hashing: both read the same buffer."""
 
 
 @dataclass(frozen=True)
@@ -131,9 +136,10 @@ def read(
                 read_exactly(fd, part, start)
                 if progress is not None:
                     progress.add(end - start)
-                for state in states.values():
+                scanning = _SCANNER.submit(_non_finite, buffer, start, end, tensors) if tensors else None
+                for state in states.values():  # blake3 hashes without the GIL, beside the scan
                     state.update(part)
-                if tensors and (name := _non_finite(buffer, start, end, tensors)):
+                if scanning is not None and (name := scanning.result()):
                     reason = f"{entry.path}: tensor {name} holds NaN or Inf values (a diverged run?)"
                     return Found("finite", reason, name)
         except OSError:
