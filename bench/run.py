@@ -24,6 +24,7 @@ import download
 import footprint
 import gate
 import responsive
+import staged
 
 import e2e
 
@@ -31,6 +32,7 @@ QUICK = {
     "detection": ["--runs", "5"],
     "gate": ["--sizes-mb", "10", "--shards", "1,8"],
     "responsive": ["--gb", "0.05", "--shards", "2", "--watchdog-ms", "400"],
+    "staged": ["--gb", "0.05", "--shards", "4"],
     "download": ["--mb", "8", "--files", "2", "--rounds", "2", "--part-mb", "1"],
     "footprint": ["--checkpoints", "20", "--seconds", "2"],
     "e2e": ["--hidden", "64", "--layers", "2", "--rounds", "1"],
@@ -46,6 +48,7 @@ FULL = {
         str(Path(__file__).parent / "gate.png"),
     ],
     "responsive": ["--gb", "16", "--shards", "8"],
+    "staged": ["--gb", "1,8,16", "--shards", "8"],
     "download": [],
     "footprint": [],
     "e2e": [],
@@ -78,7 +81,15 @@ def main() -> None:
     args = parser.parse_args()
     plan = QUICK if args.quick else FULL
     rows: list[dict[str, object]] = []
-    for module in (detection, gate, responsive, download, footprint, *((e2e,) if args.engine else ())):
+    for module in (
+        detection,
+        gate,
+        responsive,
+        staged,
+        download,
+        footprint,
+        *((e2e,) if args.engine else ()),
+    ):
         name = module.__name__
         with contextlib.redirect_stdout(io.StringIO()):  # each prints its JSON lines; the table is ours
             found = module.main(plan[name])

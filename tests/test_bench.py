@@ -19,7 +19,7 @@ def test_bench_quick_run_writes_every_benchmark_with_its_ratio(tmp_path):
     by_name: dict[str, list[dict]] = {}
     for row in report["results"]:
         by_name.setdefault(row["benchmark"], []).append(row)
-    assert set(by_name) == {"detection", "gate", "responsive", "download", "footprint"}
+    assert set(by_name) == {"detection", "gate", "responsive", "staged", "download", "footprint"}
     assert {r["mode"] for r in by_name["detection"]} == {"inotify", "polling"}
     assert all(r["ratio_p50"] > 0 for r in by_name["detection"])
     assert all(r["ratio"] > 0 for r in by_name["gate"] + by_name["download"])
@@ -27,6 +27,8 @@ def test_bench_quick_run_writes_every_benchmark_with_its_ratio(tmp_path):
     (responsive,) = by_name["responsive"]
     assert responsive["status_answers_during_gate"] > 0 and responsive["watchdog_pings_during_gate"] > 0
     assert all(r["ratio_vs_blake3"] > 0 and r["one_pass_speedup"] > 0 for r in by_name["gate"])
+    (staged,) = by_name["staged"]
+    assert staged["ratio"] > 0 and staged["ratio_whole"] > 0 and staged["cached_bytes"] is not None
     assert "detection  mode=inotify" in result.stdout
 
 

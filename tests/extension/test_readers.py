@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -224,3 +225,15 @@ def test_worker_load_fails_when_a_shard_is_replaced_by_rename_while_it_is_read(t
     pool = BufferPool(pin=False, min_bytes=256)
     with pytest.raises(ValueError, match="changed while it was read"):
         list(worker.read_weights(worker.runs(reads, 256), pool, 2, LoadStats(), OPEN[-1]))
+
+
+def test_worker_reports_how_long_the_model_took_with_what_it_was_handed(tmp_path: Path):
+    """The load's split: reading (threads), waiting for bytes, and vLLM's own work."""
+    _, directory, verified = _verified(tmp_path)
+    reads = _plan(directory, verified)
+    stats = LoadStats()
+    for _name, _tensor in worker.read_weights(
+        worker.runs(reads, 256), BufferPool(pin=False, min_bytes=256), 2, stats, OPEN[-1]
+    ):
+        time.sleep(0.002)  # the model copying it into its parameter
+    assert stats.model_s >= 0.002 * stats.tensors and stats.read_s > 0

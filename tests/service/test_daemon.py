@@ -274,3 +274,31 @@ def test_daemon_warms_the_engine_up_after_reconciling_so_the_first_canary_is_not
     warmed = running.wait_for("engine.warmed")
     assert warmed["problem"] is None and warmed["ms"] >= 0
     assert "/v1/completions" in engine.calls and not [c for c in engine.calls if c.startswith("reload:")]
+
+
+@pytest.mark.parametrize("where", [".incoming-step-2", "step-2"])
+def test_daemon_reads_shards_while_the_checkpoint_is_written_not_again_after(
+    start, root, tmp_path, make_checkpoint, where
+):
+    """A writer's shards, closed one after another (in publish's incoming directory, or in
+    the candidate directory itself), are read as they land; the manifest, last, costs no
+    second read of them."""
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    running = start(engine)
+    running.wait_for("engine.reconciled")
+    src = make_checkpoint("src", step=2, root=tmp_path / "trainer", seed=2, shards=3)
+    target = root / where
+    target.mkdir()
+    for path in sorted(src.iterdir()):
+        if path.name != "manifest.json":
+            (target / path.name).write_bytes(path.read_bytes())
+            time.sleep(0.1)  # the writer's pace: each shard read while the next is written
+    time.sleep(0.3)
+    (target / "manifest.json").write_bytes((src / "manifest.json").read_bytes())
+    if where.startswith("."):
+        target.rename(root / "step-2")
+    ready = running.wait_for("checkpoint.ready", name="step-2")
+    shards = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    assert ready["cached_bytes"] == shards
+    running.wait_for("reload.succeeded", path=str(root / "step-2"))

@@ -24,7 +24,7 @@ class SlowReads:
         self.started: list[str] = []
         self.cancelled: list[str] = []
 
-    def __call__(self, directory, work, *args, cancel=None, progress=None):  # type: ignore[no-untyped-def]
+    def __call__(self, directory, work, *args, cancel=None, progress=None, **kwargs):  # type: ignore[no-untyped-def]
         self.started.append(directory.name)
         while not self.release.is_set():
             if cancel is not None and cancel.is_set():
@@ -33,7 +33,7 @@ class SlowReads:
             if progress is not None:
                 progress.add(1)
             time.sleep(0.005)
-        return REAL_READ(directory, work, *args, cancel=cancel, progress=progress)
+        return REAL_READ(directory, work, *args, cancel=cancel, progress=progress, **kwargs)
 
 
 REAL_READ = scan.read
@@ -56,6 +56,15 @@ def ask_status(running) -> tuple[dict, float]:  # type: ignore[no-untyped-def]
     return answer, time.perf_counter() - started
 
 
+def serving_step_1(start, root, make_checkpoint):  # type: ignore[no-untyped-def]
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    running = start(engine)
+    running.wait_for("engine.reconciled")
+    running.engine = engine
+    return running
+
+
 def wait_until(check, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not check():
@@ -64,9 +73,7 @@ def wait_until(check, timeout: float = 10.0) -> None:  # type: ignore[no-untyped
 
 
 def test_gating_leaves_the_loop_free_and_shows_how_far_it_got(start, root, make_checkpoint, slow):
-    make_checkpoint("step-1", step=1, root=root)
-    running = start(FakeEngine(startup=str(root / "step-1")))
-    running.wait_for("engine.reconciled")
+    running = serving_step_1(start, root, make_checkpoint)
     make_checkpoint("step-2", step=2, root=root, seed=2)
     wait_until(lambda: "step-2" in slow.started)
     answers = [ask_status(running) for _ in range(5)]
@@ -79,9 +86,7 @@ def test_gating_leaves_the_loop_free_and_shows_how_far_it_got(start, root, make_
 
 
 def test_gating_is_called_off_when_its_candidate_changes_and_starts_again(start, root, make_checkpoint, slow):
-    make_checkpoint("step-1", step=1, root=root)
-    running = start(FakeEngine(startup=str(root / "step-1")))
-    running.wait_for("engine.reconciled")
+    running = serving_step_1(start, root, make_checkpoint)
     new = make_checkpoint("step-2", step=2, root=root, seed=2)
     wait_until(lambda: "step-2" in slow.started)
     (new / "notes.txt").write_text("the trainer writes one more file")
@@ -92,10 +97,8 @@ def test_gating_is_called_off_when_its_candidate_changes_and_starts_again(start,
 
 
 def test_gating_gives_way_to_a_newer_candidate(start, root, make_checkpoint, slow):
-    make_checkpoint("step-1", step=1, root=root)
-    engine = FakeEngine(startup=str(root / "step-1"))
-    running = start(engine)
-    running.wait_for("engine.reconciled")
+    running = serving_step_1(start, root, make_checkpoint)
+    engine = running.engine
     make_checkpoint("step-2", step=2, root=root, seed=2)
     wait_until(lambda: "step-2" in slow.started)
     make_checkpoint("step-3", step=3, root=root, seed=3)
@@ -107,9 +110,7 @@ def test_gating_gives_way_to_a_newer_candidate(start, root, make_checkpoint, slo
 
 
 def test_gating_is_called_off_when_the_daemon_stops(start, root, make_checkpoint, slow):
-    make_checkpoint("step-1", step=1, root=root)
-    running = start(FakeEngine(startup=str(root / "step-1")))
-    running.wait_for("engine.reconciled")
+    running = serving_step_1(start, root, make_checkpoint)
     make_checkpoint("step-2", step=2, root=root, seed=2)
     wait_until(lambda: "step-2" in slow.started)
     started = time.monotonic()

@@ -16,7 +16,7 @@ from tests.support.checkpoints import MakeCheckpoint, hf_index, write_manifest, 
 from tests.support.fake_engine import FakeEngine, FakeEngineServer
 from tests.support.store_fixtures import Bucket, new_bucket
 from vllm_reloader import config
-from vllm_reloader.checkpoint import completeness, gate
+from vllm_reloader.checkpoint import completeness, gate, verified
 from vllm_reloader.checkpoint.completeness import Convention, DirectoryListing, Listed
 from vllm_reloader.checkpoint.files import INDEX_NAME
 from vllm_reloader.checkpoint.manifest import parse
@@ -503,3 +503,23 @@ def test_remote_checkpoint_rewritten_under_the_same_name_is_fetched_again(
     assert gate.check(placed, serving=None).status == "ready"
     harness.source.poll()
     assert harness.fetched() == ["step-5", "step-5"], "fetched once per rewrite"
+
+
+def test_remote_download_verified_while_streaming_is_not_hashed_again(
+    tmp_path, bucket: Bucket, checkpoint: Path
+):
+    """The digests checked as the bytes came in are kept by the placed files' identities: the
+    local gate settles them without reading (the NaN scan, when asked, still reads)."""
+    harness = Harness(tmp_path, bucket.url)
+    harness.source.verified_files = cache = verified.Cache()
+    bucket.upload_dir(checkpoint, "step-5")
+    harness.source.poll()
+    placed = harness.root / "step-5"
+    run = gate.Run(cache=cache)
+    options = gate.GateOptions(check_finite=False)
+    assert gate.check(placed, serving=None, options=options, run=run).status == "ready"
+    listed = sum(p.stat().st_size for p in placed.iterdir() if p.name != "manifest.json")
+    assert run.progress.cached == listed == run.progress.done, "nothing read again"
+    scanned = gate.Run(cache=cache)
+    assert gate.check(placed, serving=None, run=scanned).status == "ready"
+    assert scanned.progress.cached < scanned.progress.done, "the NaN scan read the shards once"

@@ -34,6 +34,10 @@ MAX_HEADER_BYTES = 100_000_000
 """safetensors caps its header at 100 MB; anything larger is not a header."""
 MAX_SMALL_BYTES = 16 << 20
 """A manifest, an index, a marker or config.json: anything larger is not one."""
+RACY_NS = 20_000_000
+"""A file last changed this recently may change again within the same timestamp tick
+(coarse kernel clocks tick every 1-10 ms) without its identity showing it (git's "racily
+clean" rule): its bytes are trusted only from a read begun after that."""
 OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 # Bits per element, for every dtype safetensors knows (sub-byte floats pack several a byte).
 DTYPE_BITS = {

@@ -36,10 +36,11 @@ from typing import Literal
 
 from ..config import Config
 from ..errors import LayoutUnreadable, NotJSONYet
-from . import completeness, layout, scan
+from . import completeness, layout, scan, verified
 from .completeness import UNFINISHED_SUFFIX, Convention, DirectoryListing, Incomplete, Listing
 from .files import (
     INDEX_NAME,
+    RACY_NS,
     Header,
     Identity,
     header_in,
@@ -53,10 +54,6 @@ from .manifest import Manifest, ManifestFile, path_problem
 __all__ = ["GateOptions", "Verdict", "check"]
 
 Status = Literal["ready", "pending", "rejected"]
-RACY_NS = 20_000_000
-"""A file last changed this recently may change again within the same timestamp tick
-(coarse kernel clocks tick every 1-10 ms) without its identity showing it (git's "racily
-clean" rule): the gate waits until the clock is past that before it reads."""
 
 
 @dataclass(frozen=True)
@@ -177,7 +174,7 @@ def _read_bytes(directory: Path, work: list[scan.Work], run: Run) -> scan.Found 
     run.progress.total = sum(w.entry.size for w in work)
 
     def one(item: scan.Work) -> scan.Found | None:
-        return scan.read(directory, item, cancel=run.cancel, progress=run.progress)
+        return scan.read(directory, item, cancel=run.cancel, progress=run.progress, cache=run.cache)
 
     if run.pool is not None:
         return next((r for r in run.pool.map(one, work) if r), None)
@@ -205,6 +202,8 @@ class Run:
     """Reading threads made once by a long-lived caller (None: made for this check)."""
     cancel: threading.Event | None = None
     progress: scan.Progress = field(default_factory=scan.Progress)
+    cache: verified.Cache | None = None
+    """Files verified before (while they were written), by identity: not read again."""
 
 
 def check(

@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from . import finite
-from .files import Header, Identity, Tensor, header_in, identity, open_regular, read_exactly
+import blake3
+
+from ..errors import LayoutUnreadable
+from . import finite, verified
+from .files import RACY_NS, Header, Identity, Tensor, header_in, identity, open_regular, read_exactly
 from .manifest import ManifestFile, digest_mismatch, hashers
 
 CHUNK = 8 << 20
@@ -45,11 +49,14 @@ class Progress:
 
     total: int = 0
     done: int = 0
+    cached: int = 0
+    """Of `done`, bytes settled by an earlier read (made while the checkpoint was written)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, n: int) -> None:
+    def add(self, n: int, *, cached: bool = False) -> None:
         with self._lock:
             self.done += n
+            self.cached += n if cached else 0
 
 
 _buffers = threading.local()
@@ -109,6 +116,41 @@ def _non_finite(buffer: bytearray, start: int, end: int, tensors: list[Tensor]) 
     return None
 
 
+class _Cancelled(Exception):
+    pass
+
+
+def read_pass(
+    fd: int,
+    size: int,
+    header: Header | None,
+    states: Mapping[str, Any],
+    *,
+    buffer: bytearray | None = None,
+    cancel: threading.Event | None = None,
+    progress: Progress | None = None,
+) -> str | None:
+    """Every byte of the open file once, in order: fed to `states` (hashers), float tensors
+    scanned beside the hashing. Returns the first tensor holding NaN/Inf (the read stops
+    there), or None. Raises OSError when the file ends early, `_Cancelled` when called off."""
+    buffer = buffer if buffer is not None else _buffer(CHUNK)
+    tensors = sorted(header.tensors, key=lambda t: t.start) if header else []
+    view = memoryview(buffer)
+    for start, end in _segments(size, header, len(buffer)):
+        if cancel is not None and cancel.is_set():
+            raise _Cancelled
+        part = view[: end - start]
+        read_exactly(fd, part, start)
+        if progress is not None:
+            progress.add(end - start)
+        scanning = _SCANNER.submit(_non_finite, buffer, start, end, tensors) if tensors else None
+        for state in states.values():  # blake3 hashes without the GIL, beside the scan
+            state.update(part)
+        if scanning is not None and (name := scanning.result()):
+            return name
+    return None
+
+
 def read(
     directory: Path,
     work: Work,
@@ -116,40 +158,50 @@ def read(
     *,
     cancel: threading.Event | None = None,
     progress: Progress | None = None,
+    cache: verified.Cache | None = None,
 ) -> Found | None:
     """Read one file once: digests checked, float tensors scanned; None when all is well.
-    `cancel` stops it between chunks (Found "cancelled")."""
-    buffer = buffer if buffer is not None else _buffer(CHUNK)
+    `cancel` stops it between chunks (Found "cancelled"). With a `cache`, a file verified
+    while it was written is not read again (see `verified`)."""
     entry = work.entry
+    known = cache.get(work.expected) if cache is not None else None
+    settled = known.settles(entry, work.header is not None) if known is not None else None
+    if known is not None and settled in ("clean", "non_finite"):  # read while written: not again
+        if progress is not None:
+            progress.add(entry.size, cached=True)
+        if settled == "non_finite":
+            reason = f"{entry.path}: tensor {known.non_finite} holds NaN or Inf values (a diverged run?)"
+            return Found("finite", reason, known.non_finite)
+        return None
     fd = open_regular(directory / entry.path)
     try:
         if identity(os.fstat(fd)) != work.expected:
             return Found("changed", f"{entry.path} changed while it was being checked")
-        states: Mapping[str, Any] = hashers(entry)
-        tensors = sorted(work.header.tensors, key=lambda t: t.start) if work.header else []
-        view = memoryview(buffer)
+        states: Mapping[str, Any] = {} if settled == "scan" else hashers(entry)  # digest known
+        started_ns = time.time_ns()
         try:
-            for start, end in _segments(entry.size, work.header, len(buffer)):
-                if cancel is not None and cancel.is_set():
-                    return Found("cancelled", f"{entry.path}: checking it was called off")
-                part = view[: end - start]
-                read_exactly(fd, part, start)
-                if progress is not None:
-                    progress.add(end - start)
-                scanning = _SCANNER.submit(_non_finite, buffer, start, end, tensors) if tensors else None
-                for state in states.values():  # blake3 hashes without the GIL, beside the scan
-                    state.update(part)
-                if scanning is not None and (name := scanning.result()):
-                    reason = f"{entry.path}: tensor {name} holds NaN or Inf values (a diverged run?)"
-                    return Found("finite", reason, name)
+            name = read_pass(
+                fd, entry.size, work.header, states, buffer=buffer, cancel=cancel, progress=progress
+            )
+        except _Cancelled:
+            return Found("cancelled", f"{entry.path}: checking it was called off")
         except OSError:
             return Found("changed", f"{entry.path} was cut short while it was being checked")
+        if name is not None:
+            return Found(
+                "finite", f"{entry.path}: tensor {name} holds NaN or Inf values (a diverged run?)", name
+            )
         if identity(os.fstat(fd)) != work.expected:
             return Found("changed", f"{entry.path} changed while it was being checked")
     finally:
         os.close(fd)
     if problem := digest_mismatch(entry, dict(states)):
         return Found("digests", problem)
+    if cache is not None and "blake3" in states:
+        digest = states["blake3"].hexdigest()
+        cache.put(verified.Verified(work.expected, digest, None, work.header is not None, started_ns))
+    elif cache is not None and known is not None and settled == "scan":
+        cache.put(verified.Verified(work.expected, known.blake3, None, True, started_ns))
     return None
 
 
@@ -164,3 +216,37 @@ def first_non_finite(path: Path, chunk: int = CHUNK) -> str | None:
     work = Work(ManifestFile(path=path.name, size=found[2]), found, header)
     result = read(path.parent, work, bytearray(chunk))
     return result.tensor if result is not None else None
+
+
+def prehash(path: Path, cache: verified.Cache) -> None:
+    """Read a shard a writer has just closed — digests and NaN scan — and keep the result by
+    its identity, so the gate need not read it again once the manifest lands. Anything odd
+    (gone, not a regular file, changed while read) just leaves nothing in the cache."""
+    try:
+        fd = open_regular(path)
+    except OSError:
+        return
+    try:
+        found = identity(os.fstat(fd))
+        if not cache.claim(found):
+            return
+        result = None
+        try:
+            if (wait_ns := found[4] + RACY_NS - time.time_ns()) > 0:  # racily clean, see `verified`
+                time.sleep(min(wait_ns, RACY_NS) / 1e9)
+            started_ns = time.time_ns()
+            try:
+                header: Header | None = header_in(fd, path.name)
+            except LayoutUnreadable:
+                header = None
+            digest = blake3.blake3(max_threads=blake3.blake3.AUTO)
+            name = read_pass(fd, found[2], header, {"blake3": digest})
+            if identity(os.fstat(fd)) == found:
+                whole = digest.hexdigest() if name is None else ""
+                result = verified.Verified(found, whole, name, header is not None, started_ns)
+        except OSError:
+            result = None
+        finally:
+            cache.release(found, result)
+    finally:
+        os.close(fd)

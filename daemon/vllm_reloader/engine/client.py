@@ -20,6 +20,11 @@ RELOADING_PREFIX = "reloading:"
 EXTENSION = "vllm_reloader.extension.ReloadExtension"
 """The worker extension (`--worker-extension-cls`) whose faster reload the daemon uses when present."""
 EXTENSION_METHOD = "reloader_load_checkpoint"
+BUILTIN_LOADER_RISK = (
+    "the engine runs without the worker extension: vLLM reads the files by path and maps them, "
+    "so a writer truncating a shard while it loads can still kill the engine"
+)
+BUILTIN_LOADER_FIX = f"start vLLM with --worker-extension-cls {EXTENSION}"
 STARTUP_VERSION = "default"
 """What vLLM reports as weight version before anyone set one."""
 

@@ -268,6 +268,9 @@ class LoadStats:
     """Seconds the reading threads spent, summed."""
     wait_s: float = 0.0
     """Seconds the model waited for bytes: near 0 when reading keeps ahead of loading."""
+    model_s: float = 0.0
+    """Seconds vLLM spent with the tensors it was handed (its weight loaders: the copy into
+    the parameters, on the device with an accelerator, and any repacking)."""
 
 
 def read_weights(
@@ -306,7 +309,9 @@ def read_weights(
                 name, tensor = tensors.pop(0)
                 stats.bytes += tensor.nbytes
                 stats.tensors += 1
+                handed = time.perf_counter()
                 yield name, tensor
+                stats.model_s += time.perf_counter() - handed
                 del tensor  # the buffer is free once the model is done with it
             if first:
                 failpoints.hit("mid_load")  # the first run is in the model, the rest may not be read

@@ -100,6 +100,7 @@ class ReloadExtension:
             "tensors": stats.tensors,
             "read_s": round(stats.read_s, 4),
             "wait_s": round(stats.wait_s, 4),
+            "model_s": round(stats.model_s, 4),
             "threads": threads,
             "buffers_allocated": pool.allocated,
             "buffer_bytes": pool.nbytes,

@@ -16,6 +16,7 @@ from pathlib import Path
 from .. import log
 from ..checkpoint import completeness, order
 from ..checkpoint.completeness import Convention, DirectoryListing
+from ..checkpoint.manifest import MANIFEST_NAME
 from ..sources import cache, local
 from .reconcile import version_of
 from .served import Served
@@ -190,3 +191,12 @@ def _peek(name: str, directory: Path, convention: Convention) -> order.Candidate
         return completeness.candidate(name, DirectoryListing(directory), convention)
     except Exception:  # the gate will say what is wrong with it, as a verdict
         return order.Candidate(name, None, "")
+
+
+def detection_lag_ms(directory: Path) -> float | None:
+    """Manifest written → now: how long detection took (None: no manifest)."""
+    try:
+        mtime = os.stat(directory / MANIFEST_NAME).st_mtime
+    except OSError:
+        return None
+    return round((time.time() - mtime) * 1000, 3)

@@ -35,6 +35,7 @@ from .messages import (
     Message,
     Rejected,
     ReloadFinished,
+    ShardWritten,
     SignalReceived,
     WarmedUp,
 )
@@ -84,6 +85,7 @@ class Daemon:
             config.checkpoint_root,
             ignore=config.source.ignore,
             notify=lambda name: self.inbox.put(FileChanged(name)),
+            written=lambda path: self.inbox.put(ShardWritten(path)),
             poll=config.source.poll and not config.source.remote,  # the cache is a local disk
             poll_interval=min(config.source.interval, 2.0),
         )
@@ -96,6 +98,7 @@ class Daemon:
             serving=self.reloader.served.serving_key,
             rejected=self.reloader.catalog.rejected_fingerprints,
             post=self.inbox.put,
+            verified_files=self.reloader.gater.cache,
         )
 
     # -- edges: called from other threads or signal handlers; they only enqueue ------------
@@ -233,13 +236,15 @@ class Daemon:
         match message:
             case FileChanged(name):
                 self.reloader.changed(name)
+            case ShardWritten(path):  # read it now, beside the writer, not once the manifest lands
+                self.reloader.gater.prehash(Path(path))
             case Downloaded(name):  # gate it now, not at the watcher's pace
                 self.reloader.changed(name)
                 self.reloader.prune_cache()
             case Rejected(name, version, reason, fingerprint, check):
                 self.reloader.rejected_remotely(name, version, reason, fingerprint, check)
-            case GateFinished():
-                self.reloader.gated(message)
+            case GateFinished():  # stopping: nothing new is loaded
+                self.reloader.gated(message, act=self.stopping_since is None)
             case ReloadFinished(outcome):
                 self.reloader.finished(outcome)
             case WarmedUp(seconds, problem):
@@ -270,6 +275,8 @@ class Daemon:
         elif self.stopping_since is None:
             self.stopping_since = time.monotonic()
             self.notifier.stopping()
+            if self.reloader.gating is not None:
+                self.reloader.gating.cancel.set()
             job = self.reloader.in_flight
             self.log.info(
                 "daemon.stopping",

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint import gate, layout, order, scan
+from ..checkpoint import gate, layout, order, scan, verified
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,8 @@ class Gater:
     def __init__(self, post: Callable[[GateFinished], None], threads: int) -> None:
         self._post = post
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="gate-read")
+        self.cache = verified.Cache()
+        """Shards read while their checkpoint was written, by identity (see `verified`)."""
         self._threads = threads
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="gate", daemon=True)
@@ -84,9 +86,13 @@ class Gater:
         self._jobs.put(_Job(gating, serving, options))
         return gating
 
+    def prehash(self, shard: Path) -> None:
+        """A writer closed `shard`: read it now, on the reading threads, beside the writing."""
+        self._pool.submit(scan.prehash, shard, self.cache)
+
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             gating = job.gating
-            run = gate.Run(self._threads, self._pool, gating.cancel, gating.progress)
+            run = gate.Run(self._threads, self._pool, gating.cancel, gating.progress, self.cache)
             verdict = gate.check(gating.directory, serving=job.serving, options=job.options, run=run)
             self._post(GateFinished(gating, verdict, time.perf_counter() - gating.started))

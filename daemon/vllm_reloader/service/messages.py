@@ -25,6 +25,13 @@ class FileChanged:
 
 
 @dataclass(frozen=True)
+class ShardWritten:
+    """A writer closed a shard of a checkpoint not yet complete (watchdog's thread)."""
+
+    path: str
+
+
+@dataclass(frozen=True)
 class ReloadFinished:
     """The reload thread is done with a job, canary included."""
 
@@ -46,6 +53,7 @@ class SignalReceived:
 
 Message = (
     FileChanged
+    | ShardWritten
     | Downloaded
     | Rejected
     | GateFinished
@@ -62,6 +70,7 @@ __all__ = [
     "Message",
     "Rejected",
     "ReloadFinished",
+    "ShardWritten",
     "SignalReceived",
     "WarmedUp",
 ]

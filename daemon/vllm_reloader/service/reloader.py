@@ -8,20 +8,24 @@ than one quick call, because reloads run on the reload thread (`jobs`).
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from .. import failpoints, log
 from ..checkpoint import gate, order
-from ..checkpoint.manifest import MANIFEST_NAME
 from ..config import Config
-from ..engine.client import EXTENSION, RELOADING_PREFIX, STARTUP_VERSION, EngineClient
+from ..engine.client import (
+    BUILTIN_LOADER_FIX,
+    BUILTIN_LOADER_RISK,
+    RELOADING_PREFIX,
+    STARTUP_VERSION,
+    EngineClient,
+)
 from ..engine.swap import Target
 from ..errors import EngineCallFailed, EngineError, EngineUnavailable
 from . import outcomes, reconcile, rollback, status
-from .catalog import Catalog
+from .catalog import Catalog, detection_lag_ms
 from .gating import GateFinished, Gater, Gating
 from .jobs import Job, Outcome, ReloadWorker, WarmedUp, WarmUp
 from .messages import ReloadFinished
@@ -29,12 +33,6 @@ from .metrics import Metrics
 from .served import Served
 from .state import Loaded, State, StateFile
 from .status import Snapshot
-
-BUILTIN_LOADER = (
-    "the engine runs without the worker extension: vLLM reads the files by path and maps them, "
-    "so a writer truncating a shard while it loads can still kill the engine"
-)
-FIX_LOADER = f"start vLLM with --worker-extension-cls {EXTENSION}"
 
 
 class Reloader:
@@ -220,7 +218,7 @@ class Reloader:
         served.startup = server.model
         served.sleep_capable, served.extension = server.sleep_mode, server.extension
         if not server.extension:
-            self.log.warning("engine.builtin_loader", reason=BUILTIN_LOADER, fix=FIX_LOADER)
+            self.log.warning("engine.builtin_loader", reason=BUILTIN_LOADER_RISK, fix=BUILTIN_LOADER_FIX)
         self.catalog.rescan()
         serving = reconcile.serving(
             version, server.model, known=served.serving, root=self.root, candidates=self.catalog.candidates
@@ -283,11 +281,11 @@ class Reloader:
             options = gate.GateOptions.from_config(self.config)
             self.gating = self.gater.submit(candidate, self.root / candidate.name, served.baseline, options)
 
-    def gated(self, finished: GateFinished) -> None:
+    def gated(self, finished: GateFinished, *, act: bool = True) -> None:
         """A verdict came back from the gate thread: wait, reject, or load."""
         self.gating = None
         verdict, name = finished.verdict, finished.gating.candidate.name
-        if finished.cancelled or name not in self.catalog.candidates:
+        if not act or finished.cancelled or name not in self.catalog.candidates:
             return  # asked again at the next tick, about what is there now
         if verdict.status == "pending":
             until = time.monotonic() + self.config.source.pending_recheck_interval
@@ -303,7 +301,15 @@ class Reloader:
                 verdict.bytes,
                 round(finished.seconds * 1000, 3),
             )
-            self.log.info("checkpoint.ready", name=name, version=version, bytes=size, gate_ms=gate_ms)
+            cached = finished.gating.progress.cached
+            self.log.info(
+                "checkpoint.ready",
+                name=name,
+                version=version,
+                bytes=size,
+                gate_ms=gate_ms,
+                cached_bytes=cached,
+            )
             self.catalog.pending.pop(name, None)
             path, files = str(finished.gating.directory), dict(verdict.files)
             loading = Loaded(name=name, version=version, path=path, since=0, step=manifest.step, files=files)
@@ -313,7 +319,7 @@ class Reloader:
         served = self.served
         version, path = loading.version, loading.path
         fallback = self._rollback_target(skip=candidate.name)
-        lag_ms = _detection_lag_ms(Path(path))
+        lag_ms = detection_lag_ms(Path(path))
         if lag_ms is not None and candidate.fingerprint:  # not for restores of old checkpoints
             self.metrics.detection_lag.observe(lag_ms / 1000)
         strategy = self.config.engine.strategy
@@ -389,11 +395,3 @@ class Reloader:
             return
         self.served.resume_owed = False
         self.log.info("engine.resumed")
-
-
-def _detection_lag_ms(directory: Path) -> float | None:
-    try:
-        mtime = os.stat(directory / MANIFEST_NAME).st_mtime
-    except OSError:
-        return None
-    return round((time.time() - mtime) * 1000, 3)

@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint.manifest import Manifest, ManifestFile, digest_mismatch, hashers
@@ -52,6 +52,8 @@ class Fetched:
     fetched_bytes: int = 0
     reused_bytes: int = 0
     seconds: float = 0.0
+    blake3: dict[str, str] = field(default_factory=dict)
+    """Each file's blake3 as computed while it streamed in, checked against the manifest."""
 
 
 class _Journal:
@@ -247,7 +249,9 @@ def fetch(
             if bad:
                 shutil.rmtree(staging, ignore_errors=True)
                 return Fetched(None, bad, download.fetched, download.reused, seconds)
-            return Fetched(_place(staging, root, name, last), "", download.fetched, download.reused, seconds)
+            digests = {p: s["blake3"].hexdigest() for p, s in download.states.items() if "blake3" in s}
+            placed = _place(staging, root, name, last)
+            return Fetched(placed, "", download.fetched, download.reused, seconds, digests)
     except OSError as exc:
         raise DownloadError(f"downloading {name} into {staging}: {exc.strerror or exc}") from exc
     raise AssertionError("unreachable")

@@ -91,13 +91,40 @@ def needs_polling(path: Path, mounts: str | None = None) -> bool:
     return fstype in NETWORK_FS or fstype == "fuse" or fstype.startswith("fuse.")
 
 
+INCOMING_PREFIX = ".incoming-"
+"""Where `vllm-reloader publish` puts a checkpoint's files before the rename that publishes it."""
+
+
+def written_shard(root: Path, path: str, ignore: Iterable[str]) -> bool:
+    """A `.safetensors` a writer just closed, in a candidate or a publish's incoming directory:
+    worth reading before its manifest lands."""
+    try:
+        relative = Path(path).relative_to(root)
+    except ValueError:
+        return False
+    if len(relative.parts) != 2 or not relative.name.endswith(".safetensors"):
+        return False
+    top = relative.parts[0]
+    return top.startswith(INCOMING_PREFIX) or not is_ignored(top, ignore)
+
+
 class _Enqueue(FileSystemEventHandler):
-    def __init__(self, root: Path, ignore: tuple[str, ...], notify: Callable[[str], None]) -> None:
-        self.root, self.ignore, self.notify = root, ignore, notify
+    def __init__(
+        self,
+        root: Path,
+        ignore: tuple[str, ...],
+        notify: Callable[[str], None],
+        written: Callable[[str], None] | None,
+    ) -> None:
+        self.root, self.ignore, self.notify, self.written = root, ignore, notify, written
 
     def on_any_event(self, event: FileSystemEvent) -> None:
         if event.event_type in ("opened", "closed_no_write"):
             return
+        if event.event_type == "closed" and self.written is not None:
+            closed = os.fsdecode(event.src_path)
+            if written_shard(self.root, closed, self.ignore):
+                self.written(closed)
         for path in (event.src_path, event.dest_path):
             if path and (name := candidate_name(self.root, os.fsdecode(path), self.ignore)):
                 self.notify(name)
@@ -127,12 +154,14 @@ class Watcher:
         notify: Callable[[str], None],
         poll: bool,
         poll_interval: float,
+        written: Callable[[str], None] | None = None,
     ) -> None:
+        """`written(path)`: a shard closed after writing (inotify only; polling cannot tell)."""
         self.root = root
         self.notify = notify
         self.polling = poll or needs_polling(root)
         self._observer: BaseObserver = PollingObserver(timeout=poll_interval) if self.polling else Observer()
-        handler = _Enqueue(root, tuple(ignore), lambda name: self.notify(name))
+        handler = _Enqueue(root, tuple(ignore), lambda name: self.notify(name), written)
         self._observer.schedule(handler, str(root), recursive=True)
 
     def start(self) -> None:

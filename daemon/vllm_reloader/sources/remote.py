@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import log
-from ..checkpoint import completeness, order
+from ..checkpoint import completeness, order, verified
 from ..checkpoint.completeness import DirectoryListing, Entry, Incomplete, Listed
-from ..checkpoint.files import SINGLE_NAME, size_from_header
+from ..checkpoint.files import RACY_NS, SINGLE_NAME, identity, size_from_header
 from ..checkpoint.manifest import MANIFEST_NAME, Manifest, path_problem
 from ..checkpoint.manifest import parse as parse_manifest
 from ..config import Config
@@ -123,8 +123,12 @@ class RemoteSource:
         rejected: Callable[[], Mapping[str, str]],
         post: Callable[[SourceEvent], None],
         store: Store | None = None,
+        verified_files: verified.Cache | None = None,
     ) -> None:
+        """`verified_files`: where the digests checked while downloading are kept, by the
+        placed files' identities, so the local gate does not hash them again."""
         self.config, self.serving, self.rejected, self.post = config, serving, rejected, post
+        self.verified_files = verified_files
         self.store = store or Store(config.source.path, endpoint_url=config.source.endpoint_url)
         self.log = log.get()
         self.stop = threading.Event()
@@ -341,6 +345,8 @@ class RemoteSource:
             return
         if seen.signal == SINGLE_NAME and fetched.path is not None:
             _backdate(fetched.path, max(o.modified for o in objects.values()))
+        if fetched.path is not None:
+            self._remember(fetched.path, fetched.blake3)
         self.log.info(
             "download.finished",
             name=name,
@@ -350,6 +356,20 @@ class RemoteSource:
             mb_per_s=round(fetched.fetched_bytes / fetched.seconds / 1e6, 1) if fetched.seconds else None,
         )
         self.post(Downloaded(name))
+
+    def _remember(self, directory: Path, digests: Mapping[str, str]) -> None:
+        """The digests just checked while streaming, under the placed files' identities: read
+        a timestamp tick after the last write, so a later write would show (racily clean)."""
+        if self.verified_files is None:
+            return
+        time.sleep(RACY_NS / 1e9)
+        started_ns = time.time_ns()
+        for path, digest in digests.items():
+            try:
+                found = identity(os.lstat(directory / path))
+            except OSError:
+                continue
+            self.verified_files.put(verified.Verified(found, digest, None, False, started_ns))
 
     def _clean_staging(self, keep: set[str]) -> None:
         """Partial downloads of checkpoints that are gone from the store, or already placed."""

@@ -1,0 +1,113 @@
+"""Complete → reload call for a checkpoint written shard after shard into the root, manifest
+last — as a trainer writes one. The daemon reads each shard once its writer closed it
+(verified while written), so when the manifest lands little is left to read.
+
+Measured by the daemon itself (`detect_ms` of `reload.started`: manifest written → reload
+call), against a warm `cat` of the whole checkpoint in the same run, and against the same
+checkpoint appearing all at once (renamed in whole: nothing read before the manifest).
+The scripted engine answers at once, so only the daemon's share is measured.
+
+    .venv/bin/python bench/staged.py [--gb 1,8,16 --shards 8 --pace-mb-s 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from _common import emit, write_checkpoint
+
+
+def _manifest(source: Path, target: Path, version: str, step: int) -> None:
+    manifest = json.loads((source / "manifest.json").read_text())
+    manifest.update(version=version, step=step)
+    (target / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _copy(source: Path, target: Path, pace_mb_s: float) -> None:
+    """One file at a time, closed before the next, at `pace_mb_s` (0: as fast as it goes)."""
+    started = time.monotonic()
+    written = 0
+    with source.open("rb") as fin, target.open("wb") as fout:
+        while chunk := fin.read(64 << 20):
+            fout.write(chunk)
+            written += len(chunk)
+            if pace_mb_s and (ahead := written / (pace_mb_s * 1e6) - (time.monotonic() - started)) > 0:
+                time.sleep(ahead)
+
+
+def _case(gb: float, shards: int, pace_mb_s: float) -> dict[str, object]:
+    from tests.support.engine_fixtures import DaemonProcess, daemon_config
+    from tests.support.fake_engine import FakeEngine, FakeEngineServer
+
+    with tempfile.TemporaryDirectory(prefix="vllm-reloader-bench-") as scratch:
+        base = Path(scratch)
+        staging, root = base / "staging", base / "root"
+        write_checkpoint(staging, shards=shards, total_bytes=int(gb * 1e9))
+        (root / "step-1").mkdir(parents=True)
+        for path in staging.iterdir():
+            if path.name != "manifest.json":
+                os.link(path, root / "step-1" / path.name)
+        _manifest(staging, root / "step-1", "step-1", 1)
+        shard_files = sorted(staging.glob("*.safetensors"))
+        cat = ["cat", *map(str, shard_files)]
+        subprocess.run(cat, stdout=subprocess.DEVNULL, check=True)
+        cat_s = min(_timed_cat(cat) for _ in range(3))
+        server = FakeEngineServer(FakeEngine(startup=str(root / "step-1")))
+        config = daemon_config(base / "daemon.toml", root=root, engine_url=server.url, state_dir=base / "s")
+        daemon = DaemonProcess(config)
+        try:
+            daemon.wait_for("engine.reconciled", version="step-1")
+            # Staged: shard after shard into the candidate directory, the manifest last.
+            (root / "step-2").mkdir()
+            for path in sorted(staging.iterdir()):
+                if path.name != "manifest.json":
+                    _copy(path, root / "step-2" / path.name, pace_mb_s)
+            _manifest(staging, root / "step-2", "step-2", 2)
+            staged = daemon.wait_for("reload.started", version="step-2", timeout=600)
+            ready = daemon.events("checkpoint.ready", name="step-2")[-1]
+            # All at once: the same bytes copied in whole elsewhere, then renamed in.
+            shutil.copytree(staging, base / "whole")
+            _manifest(staging, base / "whole", "step-3", 3)
+            subprocess.run(
+                ["cat", *map(str, (base / "whole").glob("*.safetensors"))], stdout=subprocess.DEVNULL
+            )
+            os.rename(base / "whole", root / "step-3")
+            whole = daemon.wait_for("reload.started", version="step-3", timeout=600)
+        finally:
+            daemon.stop()
+            server.close()
+    staged_s, whole_s = float(staged["detect_ms"]) / 1000, float(whole["detect_ms"]) / 1000  # type: ignore[arg-type]
+    return {
+        "benchmark": "staged", "gb": gb, "shards": shards, "pace_mb_s": pace_mb_s or None,
+        "staged_complete_to_reload_s": round(staged_s, 3), "cached_bytes": ready.get("cached_bytes"),
+        "whole_complete_to_reload_s": round(whole_s, 3), "cat_s": round(cat_s, 3),
+        "ratio": round(staged_s / cat_s, 3), "ratio_whole": round(whole_s / cat_s, 3),
+    }  # fmt: skip
+
+
+def _timed_cat(command: list[str]) -> float:
+    started = time.perf_counter()
+    subprocess.run(command, stdout=subprocess.DEVNULL, check=True)
+    return time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, object]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gb", default="1,8,16")
+    parser.add_argument("--shards", type=int, default=8)
+    parser.add_argument(
+        "--pace-mb-s", type=float, default=0.0, help="the writer's pace; 0: as fast as it goes"
+    )
+    args = parser.parse_args(argv)
+    return [emit(_case(float(gb), args.shards, args.pace_mb_s)) for gb in args.gb.split(",")]
+
+
+if __name__ == "__main__":
+    main()
