@@ -1,13 +1,18 @@
 import queue
+import shlex
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from vllm_reloader.sources import local
 
-MOUNTS = """\
-/dev/vda / ext4 rw 0 0
-server:/export /mnt/ckpt nfs4 rw 0 0
-s3fs /mnt/bucket fuse.s3fs rw 0 0
+MOUNTINFO = """\
+22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw
+40 22 0:51 / /mnt/ckpt rw,relatime shared:20 - nfs4 server:/export rw,vers=4.2
+41 22 0:52 / /mnt/bucket rw,nosuid master:3 - fuse.s3fs s3fs rw
+42 22 0:53 / /mnt/run\\040dir rw - nfs server:/runs rw
+43 22 0:54 / /mnt/odd rw shared:9 propagate_from:2 - tmpfs tmpfs rw
 """
 
 
@@ -28,10 +33,43 @@ def test_source_lists_directories_only_and_skips_ignored(tmp_path):
 
 
 def test_source_polls_on_network_and_fuse_mounts():
-    assert local.needs_polling(Path("/mnt/ckpt/run1"), MOUNTS)
-    assert local.needs_polling(Path("/mnt/bucket"), MOUNTS)
-    assert not local.needs_polling(Path("/srv/checkpoints"), MOUNTS)
-    assert not local.needs_polling(Path("/mnt/ckpt2"), MOUNTS)
+    assert local.needs_polling(Path("/mnt/ckpt/run1"), MOUNTINFO)
+    assert local.needs_polling(Path("/mnt/bucket"), MOUNTINFO)
+    assert not local.needs_polling(Path("/srv/checkpoints"), MOUNTINFO)
+    assert not local.needs_polling(Path("/mnt/ckpt2"), MOUNTINFO)
+
+
+def test_source_reads_escaped_mount_points_and_optional_fields():
+    assert local.filesystem_type(Path("/mnt/run dir/step-1"), MOUNTINFO) == "nfs"
+    assert local.filesystem_type(Path("/mnt/odd/x"), MOUNTINFO) == "tmpfs"
+    assert local.filesystem_type(Path("/mnt/ckpt"), "garbage line\n\n1 2 3 - \n") == ""
+
+
+def test_source_sees_filesystem_type_under_systemd_proc_subset_pid(tmp_path):
+    """The unit's `ProcSubset=pid` mounts /proc with subset=pid: /proc/mounts is gone there,
+    /proc/self/mountinfo is not. Detection runs in such a /proc and finds a tmpfs mounted for it."""
+    mount_point = tmp_path / "root"
+    mount_point.mkdir()
+    script = (
+        "import os, sys;"
+        "from pathlib import Path;"
+        "from vllm_reloader.sources import local;"
+        "assert not os.path.exists('/proc/mounts'), 'proc is not subset=pid';"
+        f"print(local.filesystem_type(Path({str(mount_point)!r})))"
+    )
+    shell = (
+        "mount -t proc -o subset=pid proc /proc && "
+        f"mount -t tmpfs tmpfs {shlex.quote(str(mount_point))} && "
+        f"exec {shlex.quote(sys.executable)} -c {shlex.quote(script)}"
+    )
+    done = subprocess.run(
+        ["unshare", "--mount", "--pid", "--fork", "sh", "-c", shell],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "tmpfs"
 
 
 def watch(tmp_path: Path, poll: bool) -> tuple[local.Watcher, "queue.SimpleQueue[str]"]:

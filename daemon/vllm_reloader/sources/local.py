@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -66,28 +67,38 @@ def list_candidates(root: Path, ignore: Iterable[str]) -> set[str]:
         return set()
 
 
-def filesystem_type(path: Path, mounts: str | None = None) -> str:
-    """The fstype of the mount holding `path`, from /proc/mounts (longest prefix wins)."""
-    if mounts is None:
+MOUNTINFO = Path("/proc/self/mountinfo")
+"""Per-process, so it stays visible under systemd's `ProcSubset=pid`, which hides /proc/mounts."""
+
+
+def _unescape(field: str) -> str:
+    """The kernel writes space, tab, newline and backslash in mount paths as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def filesystem_type(path: Path, mountinfo: str | None = None) -> str:
+    """The fstype of the mount holding `path`, from /proc/self/mountinfo (longest prefix wins)."""
+    if mountinfo is None:
         try:
-            mounts = Path("/proc/mounts").read_text()
+            mountinfo = MOUNTINFO.read_text()
         except OSError:
             return ""
     target = os.path.realpath(path)
     best, fstype = "", ""
-    for line in mounts.splitlines():
-        fields = line.split()
-        if len(fields) < 3:
+    for line in mountinfo.splitlines():
+        fields, sep, rest = line.partition(" - ")
+        before, after = fields.split(), rest.split()
+        if not sep or len(before) < 5 or not after:
             continue
-        mount_point = fields[1].replace("\\040", " ")
+        mount_point = _unescape(before[4])
         inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
         if inside and len(mount_point) >= len(best):
-            best, fstype = mount_point, fields[2]
+            best, fstype = mount_point, after[0]
     return fstype
 
 
-def needs_polling(path: Path, mounts: str | None = None) -> bool:
-    fstype = filesystem_type(path, mounts)
+def needs_polling(path: Path, mountinfo: str | None = None) -> bool:
+    fstype = filesystem_type(path, mountinfo)
     return fstype in NETWORK_FS or fstype == "fuse" or fstype.startswith("fuse.")
 
 
