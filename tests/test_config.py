@@ -64,3 +64,55 @@ def test_config_example_file_is_valid_and_matches_defaults():
             if key not in required.get(section_name, set()):
                 assert getattr(section, key) == getattr(default, key), f"{section_name}.{key}"
     assert parsed.engine.pause_mode == "keep"
+
+
+def with_key_file(tmp_path, content: str, mode: int = 0o600) -> str:
+    key_file = tmp_path / "engine.key"
+    key_file.write_text(content)
+    key_file.chmod(mode)
+    return MINIMAL.replace("[state]", f'api_key_file = "{key_file}"\n[state]')
+
+
+def test_config_reads_api_key_from_its_file_before_the_environment(tmp_path):
+    cfg = config.parse(with_key_file(tmp_path, "file-key\n"), environ={"VLLM_API_KEY": "env-key"})
+    assert cfg.engine.api_key is not None
+    assert cfg.engine.api_key.get_secret_value() == "file-key"
+    assert "file-key" not in repr(cfg) and "file-key" not in str(cfg.model_dump())
+
+
+def test_config_reads_api_key_from_vllm_api_key_without_a_file():
+    cfg = config.parse(MINIMAL, environ={"VLLM_API_KEY": "env-key"})
+    assert cfg.engine.api_key is not None and cfg.engine.api_key.get_secret_value() == "env-key"
+    assert config.parse(MINIMAL, environ={}).engine.api_key is None
+
+
+@pytest.mark.parametrize(
+    ("content", "mode", "message"),
+    [
+        ("k", 0o644, "readable by others (mode 0644); chmod 600 it"),
+        ("k", 0o640, "readable by others (mode 0640)"),
+        ("\n", 0o600, "is empty"),
+        ("two words", 0o600, "must hold one key"),
+    ],
+)
+def test_config_api_key_file_problems_are_one_line_errors(tmp_path, content, mode, message):
+    text = with_key_file(tmp_path, content, mode)
+    with pytest.raises(ConfigError) as error:
+        config.parse(text, "x.toml", environ={})
+    assert f"x.toml: engine.api_key_file: {tmp_path / 'engine.key'}: {message}" in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_config_refuses_an_api_key_written_into_the_config_file():
+    text = MINIMAL.replace("[state]", 'api_key = "secret"\n[state]')
+    with pytest.raises(
+        ConfigError, match=r"engine.api_key: .*use engine.api_key_file or VLLM_API_KEY"
+    ) as error:
+        config.parse(text, environ={})
+    assert "secret" not in str(error.value)
+
+
+def test_config_missing_api_key_file_names_it(tmp_path):
+    text = MINIMAL.replace("[state]", f'api_key_file = "{tmp_path / "absent"}"\n[state]')
+    with pytest.raises(ConfigError, match=r"engine.api_key_file: .*absent: cannot read: No such file"):
+        config.parse(text, environ={})

@@ -7,16 +7,21 @@ the key (`source.path: field required`), which the CLI prints and exits 2 on.
 
 from __future__ import annotations
 
+import os
+import stat
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from .errors import ConfigError
 
 REMOTE_SCHEMES = ("s3://", "gs://", "az://")
 DEFAULT_MARKERS = ("commit_success.txt", "_SUCCESS", "COMPLETE")
+API_KEY_ENV = "VLLM_API_KEY"
+"""vLLM's own variable for `--api-key`: the daemon reads it too when no key file is set."""
 
 
 class _Section(BaseModel):
@@ -99,6 +104,28 @@ class EngineConfig(_Section):
     retry_max: float = Field(30.0, gt=0)
     check_interval: float = Field(5.0, gt=0)
     """How often an idle daemon asks the engine for its weight version, to notice a restart."""
+    baseline: Path | None = None
+    """A directory with the served model's safetensors, whose layout every candidate must match.
+    Default: the engine's startup model (from `/server_info`; a hub id is looked up in the
+    Hugging Face cache). Set it where the daemon cannot read that."""
+    api_key_file: Path | None = None
+    """A file holding the engine's `--api-key`, readable by the daemon only (a systemd
+    credential: `LoadCredential=`). Without it, `VLLM_API_KEY` from the environment."""
+    api_key: SecretStr | None = None
+    """Never from the config file (it would be readable by anyone who may read the config):
+    `parse` fills it in from `api_key_file` or `VLLM_API_KEY`. SecretStr keeps it out of reprs."""
+
+    @field_validator("api_key_file", "baseline", mode="before")
+    @classmethod
+    def _path_from_str(cls, value: object) -> object:
+        return Path(value) if isinstance(value, str) else value
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _not_from_the_file(cls, value: object) -> object:
+        if value is not None and not isinstance(value, SecretStr):
+            raise ValueError(f"not allowed in the config file; use engine.api_key_file or {API_KEY_ENV}")
+        return value
 
     @field_validator("url")
     @classmethod
@@ -207,15 +234,41 @@ def _describe(error: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def parse(text: str, origin: str = "<config>") -> Config:
+def parse(text: str, origin: str = "<config>", environ: Mapping[str, str] | None = None) -> Config:
+    """The config in `text`, with the engine's API key read from its file or `environ`
+    (default: this process's environment)."""
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{origin}: not valid TOML: {exc}") from exc
     try:
-        return Config.model_validate(raw)
+        config = Config.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(f"{origin}: {_describe(exc)}") from exc
+    environ = os.environ if environ is None else environ
+    key_file = config.engine.api_key_file
+    key = _read_api_key(key_file, origin) if key_file else environ.get(API_KEY_ENV, "").strip()
+    if not key:
+        return config
+    engine = config.engine.model_copy(update={"api_key": SecretStr(key)})
+    return config.model_copy(update={"engine": engine})
+
+
+def _read_api_key(path: Path, origin: str) -> str:
+    where = f"{origin}: engine.api_key_file: {path}"
+    try:
+        with path.open(encoding="utf-8") as file:
+            mode = os.fstat(file.fileno()).st_mode
+            key = file.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where}: not UTF-8 text") from exc
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"{where}: readable by others (mode {stat.S_IMODE(mode):04o}); chmod 600 it")
+    if not key or any(c.isspace() for c in key):
+        raise ConfigError(f"{where}: must hold one key, no spaces" if key else f"{where}: is empty")
+    return key
 
 
 def load(path: Path) -> Config:

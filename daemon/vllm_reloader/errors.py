@@ -5,6 +5,8 @@ translated where they enter, so the rest of the code only ever catches these::
 
     ReloaderError
     ├── ConfigError            bad or unreadable config file (the CLI exits 2, one line)
+    │   └── EngineNotSetUp     the engine lacks what the daemon needs: dev mode, a release in
+    │                          range, a readable layout baseline (the daemon exits 2, one line)
     ├── CheckpointError        a checkpoint's own bytes say what it is not (becomes a verdict)
     │   ├── NotJSONYet         a manifest or HF index is not whole JSON: may still be written
     │   ├── ManifestInvalid    whole JSON that breaks the manifest schema: final until it changes
@@ -37,6 +39,11 @@ class ReloaderError(Exception):
 
 class ConfigError(ReloaderError):
     """The config file is missing, unparsable or invalid; the message names the key."""
+
+
+class EngineNotSetUp(ConfigError):
+    """The engine is not started the way the daemon needs; the message names what to set.
+    No retry fixes it, so the daemon exits 2 (systemd: `RestartPreventExitStatus=2`)."""
 
 
 class CheckpointError(ReloaderError):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.checkpoints import TENSORS, MakeCheckpoint, write_manifest, write_weights
+from tests.support.permissions import OWNER, as_another_user
 from vllm_reloader.checkpoint import files, gate, layout
 from vllm_reloader.checkpoint.completeness import Convention
 from vllm_reloader.checkpoint.files import INDEX_NAME, identity
@@ -217,19 +218,20 @@ def test_gate_rejects_architecture_change(make_checkpoint: MakeCheckpoint, tmp_p
     assert "config.json architectures" in verdict.reason
 
 
-def test_gate_rejects_unreadable_file(make_checkpoint: MakeCheckpoint, monkeypatch):
+def test_gate_keeps_unreadable_file_pending_naming_file_owner_and_mode(
+    make_checkpoint: MakeCheckpoint, monkeypatch
+):
+    """Permissions get fixed (transformers 5 writes 0600): never a final verdict."""
     directory = make_checkpoint("step-1")
     shard = directory / "model.safetensors"
-    shard.chmod(0)  # enough for a non-root user; root (CI) needs the injected error below
-
-    def denied(path: Path) -> int:
-        raise PermissionError(13, "Permission denied", str(path))
-
-    if os.geteuid() == 0:
-        monkeypatch.setattr(gate, "open_regular", denied)
+    shard.chmod(0o600)
+    as_another_user(monkeypatch, directory)
     verdict = gate.check(directory, serving=None)
-    assert verdict.status == "rejected"
-    assert "permission denied" in verdict.reason
+    assert verdict.status == "pending"
+    assert verdict.reason == f"cannot read model.safetensors: permission denied (owner {OWNER}, mode 0600)"
+    assert verdict.details == {"unreadable": "model.safetensors", "owner": OWNER, "mode": "0600"}
+    shard.chmod(0o644)
+    assert gate.check(directory, serving=None).status == "ready"
 
 
 def test_gate_waits_when_directory_disappears(make_checkpoint: MakeCheckpoint, tmp_path):

@@ -269,8 +269,8 @@ def test_e2e_cli_pin_and_unpin_steer_the_real_engine(world: World):
 class Load:
     """Clients streaming completions from the engine without pause, each request counted."""
 
-    def __init__(self, url: str, clients: int) -> None:
-        self.url, self.stop = url, threading.Event()
+    def __init__(self, url: str, clients: int, headers: dict[str, str]) -> None:
+        self.url, self.headers, self.stop = url, headers, threading.Event()
         self.ok = 0
         self.failed: list[str] = []
         self.latencies: list[tuple[float, float]] = []  # (start, seconds)
@@ -288,7 +288,7 @@ class Load:
             thread.join(timeout=120)
 
     def _client(self, i: int) -> None:
-        with httpx.Client(base_url=self.url, timeout=120) as http:
+        with httpx.Client(base_url=self.url, timeout=120, headers=self.headers) as http:
             while not self.stop.is_set():
                 started = time.monotonic()
                 body = {
@@ -334,7 +334,7 @@ def test_e2e_hot_reloads_under_load_lose_no_request(world: World, mode: str):
     _set_pause_mode(world, mode)
     windows = []
     try:
-        with Load(world.engine.url, clients=8) as load:
+        with Load(world.engine.url, clients=8, headers=world.engine.headers) as load:
             time.sleep(1.0)
             for i in range(5):
                 name, staged = world.stage("A" if i % 2 == 0 else "B")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 
 from tests.support.checkpoints import write_manifest, write_weights
 from tests.support.fake_engine import FakeEngine
+from tests.support.permissions import OWNER, as_another_user
 
 DEEP = b"[" * 100_000 + b"]" * 100_000
 
@@ -128,3 +130,24 @@ def test_daemon_refuses_odd_input_and_loads_the_next_good_checkpoint(
     loaded = [c for c in engine.calls if c.startswith("reload:")]
     expected = [f"reload:{root / 'step-²'}"] if kind == "digits outside ASCII in a name" else []
     assert loaded == [*expected, f"reload:{root / 'step-9'}"], "nothing odd reached the engine"
+
+
+def test_daemon_keeps_an_unreadable_checkpoint_pending_until_permissions_are_fixed(
+    start, root, make_checkpoint, monkeypatch
+):
+    """transformers 5 writes model.safetensors 0600: a daemon of another user cannot read it."""
+    make_checkpoint("step-1", step=1, root=root)
+    running = start(FakeEngine(startup=str(root / "step-1")))
+    running.wait_for("engine.reconciled")
+    as_another_user(monkeypatch, root)
+    staged = make_checkpoint("step-2", step=2, root=root.parent / "staging", seed=2)
+    (staged / "model.safetensors").chmod(0o600)
+    staged.rename(root / "step-2")
+    warned = running.wait_for("checkpoint.unreadable", name="step-2")
+    assert (warned["unreadable"], warned["owner"], warned["mode"]) == ("model.safetensors", OWNER, "0600")
+    assert warned["log_level"] == "warning"
+    time.sleep(0.4)  # rechecked every 0.05 s meanwhile
+    assert len(running.events("checkpoint.unreadable")) == 1, "said once, not at every recheck"
+    assert not running.events("checkpoint.rejected") and not running.events("reload.started")
+    (root / "step-2" / "model.safetensors").chmod(0o644)
+    running.wait_for("reload.succeeded", version="step-2")

@@ -197,3 +197,16 @@ def test_service_starts_from_the_engine_when_the_state_file_is_corrupt(service, 
     daemon.wait_for("engine.reconciled", version="step-1")
     assert state.load(tmp_path / "s").serving is not None
     assert daemon.stop() == 0
+
+
+def test_service_exits_2_with_one_line_when_the_engine_has_no_dev_mode(service):
+    """What systemd's RestartPreventExitStatus=2 keys on: a setup error, not a crash."""
+    start, engine, notify, _config, _root = service
+    engine.dev_mode = False
+    daemon = start()
+    daemon.process.wait(timeout=30)
+    assert daemon.stop() == 2
+    [line] = daemon.events("daemon.not_runnable")
+    assert "VLLM_SERVER_DEV_MODE=1" in str(line["reason"]) and line["level"] == "error"
+    assert not any("READY=1" in m for m in notify.messages)
+    assert "Traceback" not in "".join(daemon.raw)

@@ -77,3 +77,22 @@ def test_systemd_engine_unit_loads_through_the_extension():
     text = (UNITS / "vllm.service").read_text()
     exec_start = next(line for line in text.splitlines() if line.startswith("ExecStart="))
     assert f"--worker-extension-cls {EXTENSION}" in exec_start
+
+
+def test_systemd_reloader_unit_does_not_restart_a_setup_error():
+    """Exit 2 means "the engine or config is not set up": restarting would loop forever."""
+    text = (UNITS / "vllm-reloader.service").read_text()
+    assert "RestartPreventExitStatus=2" in text.splitlines()
+
+
+def test_systemd_units_share_a_hub_cache_the_sandboxed_daemon_can_read():
+    """ProtectHome=yes hides /home: the engine's hub cache must be elsewhere, and the same for both."""
+
+    def cache(unit: str) -> str:
+        text = (UNITS / unit).read_text()
+        [found] = re.findall(r"^Environment=HF_HUB_CACHE=(\S+)$", text, re.M)
+        return found
+
+    assert cache("vllm-reloader.service") == cache("vllm.service")
+    assert not cache("vllm.service").startswith(("/home", "/root", "/run/user", "/tmp"))
+    assert "ProtectHome=yes" in (UNITS / "vllm-reloader.service").read_text().splitlines()

@@ -327,6 +327,7 @@ def test_daemon_subprocess_with_wrong_credentials_logs_once_and_keeps_running(
 ):
     from tests.support.engine_fixtures import DaemonProcess
 
+    write_weights(tmp_path / "models" / "startup")  # the layout baseline: without one it exits 2
     engine = FakeEngine(startup=str(tmp_path / "models" / "startup"))
     server = FakeEngineServer(engine)
     cfg = tmp_path / "daemon.toml"

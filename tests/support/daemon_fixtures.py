@@ -45,6 +45,7 @@ def start(tmp_path: Path, root: Path) -> Iterator[Callable[..., Running]]:
         engine: FakeEngine,
         engine_check_interval: float = 5.0,
         canary: config.CanaryConfig | None = None,
+        baseline: Path | None = None,
         **source: object,
     ) -> Running:
         cfg = config.Config(
@@ -54,6 +55,7 @@ def start(tmp_path: Path, root: Path) -> Iterator[Callable[..., Running]]:
                 retry_initial=0.05,
                 retry_max=0.2,
                 check_interval=engine_check_interval,
+                baseline=baseline,
             ),
             state=config.StateConfig(dir=tmp_path / "state"),
             canary=canary or config.CanaryConfig(),

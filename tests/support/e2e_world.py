@@ -65,7 +65,7 @@ class World:
         as the newest, and served once loaded."""
         self.daemon = DaemonProcess(self.config, env={"VLLM_RELOADER_FAILPOINT_DIR": str(self.holds)})
         self.daemon.wait_for("engine.reconciled", version=self.serving)
-        back = self.publish("A", step=3 * 10**6 + next(_steps))
+        back = self.publish("A", step=max(3 * 10**6, self.highest) + next(_steps))
         self.daemon.wait_for("reload.succeeded", version=back, timeout=120)
         self.serving, self.expected = back, self.fresh_a
 

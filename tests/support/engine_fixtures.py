@@ -30,6 +30,9 @@ from vllm_reloader.tools.demo import ENGINE_ENV, engine_command, free_port, stop
 ENGINE_DTYPE = os.environ.get("VLLM_RELOADER_TEST_DTYPE", "float32")
 ENGINE_START_TIMEOUT = float(os.environ.get("VLLM_RELOADER_ENGINE_TIMEOUT", "400"))
 PROMPTS = ["w1 w2 w3 w4", "w10 w20 w30", "w100 w7 w42 w9 w3"]
+API_KEY = "e2e-key-4f1c"
+"""The test engines run with `--api-key` (guarding /v1/*, as many deployments do); the
+daemons get it as `VLLM_API_KEY`, so every canary proves the key is sent."""
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -48,10 +51,15 @@ class Engine:
     log_file: BinaryIO
     holds: Path
     """Its VLLM_RELOADER_FAILPOINT_DIR: `<name>.hold` there holds the extension at <name>."""
+    api_key: str | None = API_KEY
     http: httpx.Client = field(init=False)
 
     def __post_init__(self) -> None:
-        self.http = httpx.Client(base_url=self.url, timeout=60)
+        self.http = httpx.Client(base_url=self.url, timeout=60, headers=self.headers)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def stop(self) -> None:
         stop_process(self.process)
@@ -83,9 +91,16 @@ class Engine:
         return texts
 
 
-def start_engine(model: Path, log_path: Path, port: int | None = None, *, extension: bool = True) -> Engine:
-    """A real CPU vLLM engine, by default with the reloader's worker extension; its failpoint
-    directory (for holds) is `<log dir>/failpoints`."""
+def start_engine(
+    model: Path,
+    log_path: Path,
+    port: int | None = None,
+    *,
+    extension: bool = True,
+    api_key: str | None = API_KEY,
+) -> Engine:
+    """A real CPU vLLM engine, by default with the reloader's worker extension and `--api-key`;
+    its failpoint directory (for holds) is `<log dir>/failpoints`."""
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
@@ -94,10 +109,10 @@ def start_engine(model: Path, log_path: Path, port: int | None = None, *, extens
     holds = log_path.parent / "failpoints"
     holds.mkdir(exist_ok=True)
     env = {**os.environ, **ENGINE_ENV, "VLLM_RELOADER_FAILPOINT_DIR": str(holds)}
-    command = engine_command(model, port, ENGINE_DTYPE, extension=extension)
+    command = engine_command(model, port, ENGINE_DTYPE, extension=extension, api_key=api_key)
     log = log_path.open("wb")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    engine = Engine(f"http://127.0.0.1:{port}", model, process, log_path, log, holds)
+    engine = Engine(f"http://127.0.0.1:{port}", model, process, log_path, log, holds, api_key)
     deadline = time.monotonic() + ENGINE_START_TIMEOUT
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -117,7 +132,7 @@ class DaemonProcess:
         self.lines: list[dict[str, object]] = []
         self.raw: list[str] = []
         self._new: queue.SimpleQueue[None] = queue.SimpleQueue()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_API_KEY": API_KEY, **(env or {})}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "vllm_reloader", "run", "--config", str(config_path), *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,

@@ -38,6 +38,14 @@ class FakeEngine:
         """Read the shards of what is loaded, as a loader would: `held` says what was read."""
         self.held: dict[str, bytes] = {}
         """With `read_bytes`: each top-level shard's bytes as the load read them."""
+        self.release: str | None = None
+        """What `/version` answers; None: no such route (404)."""
+        self.routes: set[str] | None = None
+        """The paths `/openapi.json` lists; None: docs off (404)."""
+        self.dev_mode = True
+        """False: every dev route answers 404, as vLLM without VLLM_SERVER_DEV_MODE=1."""
+        self.revision: str | None = None
+        """`--revision`, as `/server_info` reports it."""
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -49,10 +57,17 @@ class FakeEngine:
         self.calls.append(key if path == "/collective_rpc" else path)
         if key in self.fail:
             return self.fail[key]()
+        if path == "/version" and self.release is not None:
+            return httpx.Response(200, json={"version": self.release})
+        if path == "/openapi.json" and self.routes is not None:
+            return httpx.Response(200, json={"paths": {route: {} for route in self.routes}})
+        if not self.dev_mode and path not in ("/v1/completions", "/metrics"):
+            return httpx.Response(404, json={"detail": "Not Found"})
         if path == "/weight_info":
             return httpx.Response(200, json={"weight_version": self.version})
         if path == "/server_info":
-            model_config = {"model": self.startup, "enable_sleep_mode": self.sleep_mode}
+            model_config = {"model": self.startup, "revision": self.revision}
+            model_config["enable_sleep_mode"] = self.sleep_mode
             parallel_config = {"worker_extension_cls": EXTENSION if self.extension else ""}
             config = {"model_config": model_config, "parallel_config": parallel_config}
             return httpx.Response(200, json={"vllm_config": config})

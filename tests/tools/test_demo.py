@@ -31,7 +31,7 @@ def test_demo_reloads_and_reports_against_engine_start():
 def test_demo_with_engine_url_reloads_the_users_engine_and_leaves_it_running(tmp_path: Path):
     from vllm_reloader.tools.tinymodel import write_checkpoint
 
-    engine = start_engine(write_checkpoint(tmp_path / "model", seed=3), tmp_path / "engine.log")
+    engine = start_engine(write_checkpoint(tmp_path / "model", seed=3), tmp_path / "engine.log", api_key=None)
     try:
         before = engine.complete()
         out = run_demo("--engine-url", engine.url)

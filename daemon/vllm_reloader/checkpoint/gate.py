@@ -9,7 +9,8 @@ served and the clock; its verdict is data:
   files later (the daemon before the pause and after the load, the worker extension while
   it reads) compares them first.
 - `pending`: may still be being written (no manifest yet, a file missing or short, a
-  manifest that is not JSON yet, a file that changed while it was read); check again later.
+  manifest that is not JSON yet, a file that changed while it was read), or a file the
+  daemon may not read (`details["unreadable"]`: permissions get fixed); check again later.
 - `rejected`: can never become loadable as described; not retried unless the manifest
   bytes change (`fingerprint`).
 
@@ -24,6 +25,7 @@ checkpoint rejects that checkpoint (check `internal`); it never escapes.
 from __future__ import annotations
 
 import os
+import pwd
 import stat
 import threading
 import time
@@ -97,6 +99,28 @@ class GateOptions:
 
 def _pending(reason: str, manifest: Manifest | None = None, fingerprint: str = "") -> Verdict:
     return Verdict("pending", reason, manifest, fingerprint)
+
+
+def _unreadable(directory: Path, path: Path) -> Verdict:
+    """Pending on a file the daemon may not read, naming what an operator needs to fix it."""
+    where = path.relative_to(directory).as_posix() if path.is_relative_to(directory) else path.name
+    try:
+        found = os.stat(path, follow_symlinks=False)
+        owner, mode = _user(found.st_uid), f"{stat.S_IMODE(found.st_mode):04o}"
+    except OSError:
+        owner, mode = "unknown", "unknown"
+    return Verdict(
+        "pending",
+        f"cannot read {where or '.'}: permission denied (owner {owner}, mode {mode})",
+        details={"unreadable": where or ".", "owner": owner, "mode": mode},
+    )
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
 
 
 def _rejected(
@@ -222,8 +246,8 @@ def check(
         return _check(directory, serving, options, now, run)
     except FileNotFoundError as exc:
         return _pending(f"{Path(exc.filename or directory).name} disappeared while checking")
-    except PermissionError as exc:
-        return _rejected(f"cannot read {Path(exc.filename or directory).name}: permission denied", check="io")
+    except PermissionError as exc:  # fixable by whoever owns it: checked again, never rejected
+        return _unreadable(directory, Path(exc.filename or directory))
     except OSError as exc:
         # Symlink loops, I/O errors, special files: nothing a retry would fix.
         where = Path(exc.filename).name if exc.filename else "checkpoint"

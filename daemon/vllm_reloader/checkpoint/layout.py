@@ -7,6 +7,7 @@ headers and `config.json` alone, never from tensor data, so it costs microsecond
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,9 +48,10 @@ def from_headers(headers: Iterable[Header], arch: Mapping[str, object]) -> Layou
     return Layout(tensors={t.name: (t.dtype, t.shape) for h in headers for t in h.tensors}, arch=arch)
 
 
-def read_arch(directory: Path) -> dict[str, object]:
+def read_arch(directory: Path, *, follow_symlinks: bool = False) -> dict[str, object]:
+    path = directory / "config.json"
     try:
-        data = read_small(directory / "config.json")
+        data = read_small(Path(os.path.realpath(path)) if follow_symlinks else path)
     except FileNotFoundError:
         return {}
     try:
@@ -71,12 +73,17 @@ def read_layout(directory: Path, weight_files: Iterable[Path]) -> Layout:
 def read_served_layout(directory: Path) -> Layout:
     """Layout of a checkpoint the engine loaded, manifest or not (e.g. its startup model).
 
-    Reads the same files vLLM's loader reads: every top-level `*.safetensors`.
+    Reads the same files vLLM's loader reads: every top-level `*.safetensors`. The engine's
+    own model is trusted, so symlinks are followed: a Hugging Face cache snapshot links every
+    file to its blob.
     """
     files = sorted(p for p in directory.iterdir() if is_top_level_shard(p.name))
     if not files:
         raise LayoutUnreadable(f"{directory}: no .safetensors files")
-    return read_layout(directory, files)
+    tensors: dict[str, TensorSpec] = {}
+    for path in files:
+        tensors.update(read_header(Path(os.path.realpath(path))))
+    return Layout(tensors=tensors, arch=read_arch(directory, follow_symlinks=True))
 
 
 def _spec(spec: TensorSpec) -> str:

@@ -15,6 +15,7 @@ import httpx
 
 from ..config import EngineConfig
 from ..errors import EngineCallFailed, EngineUnavailable
+from .capabilities import OPTIONAL_ROUTES, REQUIRED_ROUTES, Capabilities
 
 RELOADING_PREFIX = "reloading:"
 EXTENSION = "vllm_reloader.extension.ReloadExtension"
@@ -32,7 +33,11 @@ STARTUP_VERSION = "default"
 class EngineClient:
     def __init__(self, config: EngineConfig, *, transport: httpx.BaseTransport | None = None) -> None:
         self.config = config
-        self._http = httpx.Client(base_url=config.url, timeout=config.timeout, transport=transport)
+        key = config.api_key.get_secret_value() if config.api_key else None
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._http = httpx.Client(
+            base_url=config.url, timeout=config.timeout, transport=transport, headers=headers
+        )
 
     def close(self) -> None:
         self._http.close()
@@ -75,7 +80,29 @@ class EngineClient:
             model=model,
             sleep_mode=bool(config["model_config"].get("enable_sleep_mode")),
             extension=(config.get("parallel_config") or {}).get("worker_extension_cls") == EXTENSION,
+            revision=_str_or_none(config["model_config"].get("revision")),
         )
+
+    def capabilities(self) -> Capabilities:
+        """The engine's release and which of the routes the daemon drives it has."""
+        version = self._optional("/version")
+        spec = self._optional("/openapi.json")
+        if isinstance(spec, dict) and isinstance(spec.get("paths"), dict):
+            routes = frozenset(r for r in (*REQUIRED_ROUTES, *OPTIONAL_ROUTES) if r in spec["paths"])
+            dev_mode = "/is_paused" in routes
+        else:  # --disable-fastapi-docs: no spec; a harmless dev-only GET tells whether dev mode is on
+            routes, dev_mode = None, self._optional("/is_paused") is not None
+        release = version.get("version") if isinstance(version, dict) else None
+        return Capabilities(str(release) if release is not None else None, routes, dev_mode)
+
+    def _optional(self, path: str) -> Any:
+        """A GET whose 404 means "not there" (None) rather than a failure."""
+        try:
+            return self._call("GET", path)
+        except EngineCallFailed as exc:
+            if exc.status == 404:
+                return None
+            raise
 
     def sleep(self, level: int, mode: str) -> None:
         """`mode` matters: /sleep aborts in-flight requests unless told to keep them."""
@@ -183,3 +210,9 @@ class ServerConfig:
     """`--enable-sleep-mode` (GPU/XPU only: vLLM 0.32 refuses it on CPU)."""
     extension: bool
     """Started with `--worker-extension-cls` naming `EXTENSION`."""
+    revision: str | None = None
+    """`--revision`: which snapshot of a hub model id (default: the cache's `main`)."""
+
+
+def _str_or_none(value: object) -> str | None:
+    return value if isinstance(value, str) and value else None

@@ -95,9 +95,9 @@ class Catalog:
     def next_recheck(self) -> float | None:
         return min((at for name, at in self.recheck_at.items() if name in self.pending), default=None)
 
-    def waiting(self, name: str, reason: str, until: float) -> None:
+    def waiting(self, name: str, reason: str, until: float, **details: object) -> None:
         """A pending verdict: said once per reason, gated again from `until`."""
-        self.note_pending(name, reason)
+        self.note_pending(name, reason, **details)
         self.recheck_at[name] = until
 
     def rejected_fingerprints(self) -> dict[str, str]:
@@ -142,10 +142,13 @@ class Catalog:
             self.forget(name)
             self.log.info("cache.pruned", name=name, kept=sorted(protected))
 
-    def note_pending(self, name: str, reason: str) -> None:
+    def note_pending(self, name: str, reason: str, **details: object) -> None:
         if self.pending.get(name) != reason:
             self.pending[name] = reason
-            self.log.info("checkpoint.pending", name=name, reason=reason)
+            if "unreadable" in details:  # an operator must act: a warning, naming file, owner, mode
+                self.log.warning("checkpoint.unreadable", name=name, reason=reason, **details)
+            else:
+                self.log.info("checkpoint.pending", name=name, reason=reason)
 
     def reject(
         self, name: str, version: str | None, reason: str, fingerprint: str, **details: object

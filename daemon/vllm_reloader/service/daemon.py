@@ -132,6 +132,9 @@ class Daemon:
             while not self.stop.is_set():
                 self._step()
                 self._wait()
+        except ConfigError as exc:  # the engine is not set up for us: no restart fixes that
+            self.log.error("daemon.not_runnable", reason=str(exc))
+            self.exit_code = 2
         except Exception:  # a bug: say so with the traceback, exit 1, and systemd restarts us
             self.log.exception("daemon.crashed")
             self.exit_code = 1

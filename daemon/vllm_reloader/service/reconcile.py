@@ -10,12 +10,12 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..checkpoint import layout, order
+from ..checkpoint import order
 from ..checkpoint.files import read_small
 from ..checkpoint.manifest import MANIFEST_NAME
 from ..checkpoint.manifest import parse as parse_manifest
 from ..engine.client import RELOADING_PREFIX, STARTUP_VERSION
-from ..errors import LayoutUnreadable, ManifestInvalid, NotJSONYet
+from ..errors import ManifestInvalid, NotJSONYet
 from .state import Loaded
 
 
@@ -64,14 +64,3 @@ def serving(
                 name=name, version=engine_version, path=str(root / name), since=now, step=candidate.step
             )
     return Loaded(name=engine_version, version=engine_version, path=startup, since=now, in_root=False)
-
-
-def baseline(*paths: str) -> layout.Layout | None:
-    """The layout every candidate must match. Reloading never changes it, so the startup
-    model's is as good as the serving one's, and it stays readable after old versions go."""
-    for path in dict.fromkeys(paths):
-        try:
-            return layout.read_served_layout(Path(path))
-        except (OSError, LayoutUnreadable):
-            continue
-    return None

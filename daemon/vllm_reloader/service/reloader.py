@@ -24,7 +24,7 @@ from ..engine.client import (
 )
 from ..engine.swap import Target
 from ..errors import EngineCallFailed, EngineError, EngineUnavailable
-from . import outcomes, reconcile, rollback, status
+from . import outcomes, reconcile, rollback, setup, status
 from .catalog import Catalog, detection_lag_ms
 from .gating import GateFinished, Gater, Gating
 from .jobs import Job, Outcome, ReloadWorker, WarmedUp, WarmUp
@@ -213,27 +213,26 @@ class Reloader:
     def _reconcile(self) -> None:
         """Learn what the engine serves, so nothing is reloaded needlessly after a restart."""
         served = self.served
+        found = setup.check_capabilities(self.client, self.log)
         version = self.client.weight_version()
         server = self.client.server_config()
-        served.startup = server.model
         served.sleep_capable, served.extension = server.sleep_mode, server.extension
         if not server.extension:
             self.log.warning("engine.builtin_loader", reason=BUILTIN_LOADER_RISK, fix=BUILTIN_LOADER_FIX)
         self.catalog.rescan()
+        served.startup = setup.startup_path(server)
         serving = reconcile.serving(
-            version, server.model, known=served.serving, root=self.root, candidates=self.catalog.candidates
+            version, served.startup, known=served.serving, root=self.root, candidates=self.catalog.candidates
         )
-        served.baseline = reconcile.baseline(server.model, serving.path)
-        if served.baseline is None:
-            self.log.error(
-                "gate.no_baseline",
-                paths=[server.model, serving.path],
-                reason="cannot read the serving checkpoint's headers: nothing will be loaded",
-            )
+        served.baseline = setup.settle_baseline(self.config.engine, server, served, serving.path, self.log)
         served.reconciled = True
         served.backoff = self.config.engine.retry_initial
         self.log.info(
-            "engine.reconciled", version=serving.version, path=serving.path, engine_reported=version
+            "engine.reconciled",
+            version=serving.version,
+            path=serving.path,
+            engine_reported=version,
+            **found.logged(),
         )
         if version.startswith(RELOADING_PREFIX) and self._restore_after_interrupted_reload(version, serving):
             return  # the restore resumes the engine
@@ -289,7 +288,7 @@ class Reloader:
             return  # asked again at the next tick, about what is there now
         if verdict.status == "pending":
             until = time.monotonic() + self.config.source.pending_recheck_interval
-            self.catalog.waiting(name, verdict.reason, until)
+            self.catalog.waiting(name, verdict.reason, until, **verdict.details)
         elif verdict.status == "rejected":
             version = verdict.manifest.version if verdict.manifest else None
             self._reject(name, version, verdict.reason, verdict.fingerprint, **verdict.details)

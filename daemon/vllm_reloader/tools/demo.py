@@ -35,15 +35,18 @@ PROMPT = "w1 w2 w3 w4"
 DTYPE = os.environ.get("VLLM_RELOADER_DEMO_DTYPE", "float32")
 
 
-def engine_command(model: Path, port: int, dtype: str = DTYPE, *, extension: bool = True) -> list[str]:
-    """A CPU vLLM server on loopback with the dev endpoints the daemon drives, and (unless
-    told not to) the reloader's worker extension."""
+def engine_command(
+    model: Path, port: int, dtype: str = DTYPE, *, extension: bool = True, api_key: str | None = None
+) -> list[str]:
+    """A CPU vLLM server on loopback with the dev endpoints the daemon drives, (unless told
+    not to) the reloader's worker extension, and `--api-key` when given one."""
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--served-model-name", "tiny",
         "--dtype", dtype, "--max-model-len", "256", "--enforce-eager",
         "--host", "127.0.0.1", "--port", str(port),
         *(["--worker-extension-cls", EXTENSION] if extension else []),
+        *(["--api-key", api_key] if api_key else []),
     ]  # fmt: skip
 
 

@@ -1,0 +1,90 @@
+"""Whether the engine is set up for the daemon, asked at every reconcile.
+
+Two things no retry fixes, so each is an `EngineNotSetUp` (exit 2, one line naming the
+fix): an engine without the routes the daemon drives (dev mode off, a release out of range),
+and no readable layout baseline — the served model's headers, which every candidate must
+match. The baseline comes from `[engine] baseline` when set, else the engine's startup model:
+a directory, or a hub model id found in the Hugging Face cache.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint import layout
+from ..config import EngineConfig
+from ..engine import capabilities
+from ..engine.client import EngineClient, ServerConfig
+from ..errors import EngineNotSetUp, LayoutUnreadable
+from ..sources import hub
+from .served import Served
+
+
+def check_capabilities(client: EngineClient, logger: Any) -> capabilities.Capabilities:
+    found = client.capabilities()
+    if (why := capabilities.problem(found)) is not None:
+        raise EngineNotSetUp(why)
+    if capabilities.untested(found):
+        logger.warning("engine.untested", vllm_version=found.version, tested=capabilities.SUPPORTED)
+    return found
+
+
+def startup_path(server: ServerConfig, environ: Mapping[str, str] | None = None) -> str:
+    """The startup model's directory: a hub id resolved to its cached snapshot where found."""
+    if hub.is_model_id(server.model):
+        cached = hub.snapshot(server.model, server.revision, os.environ if environ is None else environ)
+        return str(cached) if cached is not None else server.model
+    return server.model
+
+
+@dataclass(frozen=True)
+class Baseline:
+    layout: layout.Layout | None
+    tried: tuple[str, ...]
+    """Where it was looked for, for the error."""
+
+
+def baseline(config: EngineConfig, startup: str, serving: str) -> Baseline:
+    """`[engine] baseline` when set, else the startup model's layout (reloads never change it, and
+    it outlives rotated checkpoints), else the serving checkpoint's."""
+    paths = tuple(dict.fromkeys([str(config.baseline)] if config.baseline else [startup, serving]))
+    for path in paths:
+        try:
+            return Baseline(layout.read_served_layout(Path(path)), paths)
+        except (OSError, LayoutUnreadable):
+            continue
+    return Baseline(None, paths)
+
+
+def settle_baseline(
+    config: EngineConfig, server: ServerConfig, served: Served, serving: str, logger: Any
+) -> layout.Layout:
+    """The baseline found now; at start, none is an error (nothing could ever be loaded); after
+    an engine restart onto files the daemon cannot read, the one it had still holds."""
+    found = baseline(config, served.startup or server.model, serving)
+    if found.layout is not None:
+        return found.layout
+    if served.baseline is None:
+        raise EngineNotSetUp(no_baseline(found, server))
+    logger.error("gate.no_baseline", paths=list(found.tried), reason=no_baseline(found, server))
+    return served.baseline
+
+
+def no_baseline(found: Baseline, server: ServerConfig, environ: Mapping[str, str] | None = None) -> str:
+    """One line for an operator: where the daemon looked, and what to set."""
+    looked = ", ".join(found.tried)
+    if hub.is_model_id(server.model):
+        cache = hub.cache_dir(os.environ if environ is None else environ)
+        return (
+            f"the engine serves hub model {server.model!r} and its snapshot is not readable in the "
+            f"Hugging Face cache {cache}: set HF_HUB_CACHE to the engine's cache (readable to the "
+            f"daemon), or [engine] baseline = a directory with the model's safetensors"
+        )
+    return (
+        f"cannot read the served model's safetensors headers (looked in {looked}): "
+        "set [engine] baseline = a directory with the model's safetensors, readable to the daemon"
+    )

@@ -1,0 +1,75 @@
+import httpx
+import pytest
+from pydantic import SecretStr
+
+from tests.support.fake_engine import FakeEngine, error
+from vllm_reloader.config import EngineConfig
+from vllm_reloader.engine.capabilities import Capabilities
+from vllm_reloader.engine.client import EngineClient
+from vllm_reloader.errors import EngineCallFailed
+
+KEY = "sk-test-0123456789"
+
+
+def client(seen: list[httpx.Request], *, key: str | None, status: int = 200) -> EngineClient:
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if status != 200:
+            return httpx.Response(status, json={"error": "Unauthorized"})
+        return httpx.Response(200, json={"weight_version": "v1", "is_paused": False})
+
+    config = EngineConfig(url="http://127.0.0.1:1", api_key=SecretStr(key) if key else None)
+    return EngineClient(config, transport=httpx.MockTransport(answer))
+
+
+def test_client_sends_the_api_key_on_every_engine_call():
+    seen: list[httpx.Request] = []
+    engine = client(seen, key=KEY)
+    engine.weight_version()
+    engine.is_paused()
+    engine.pause("keep")
+    engine.resume()
+    engine.reload_weights("/ckpt")
+    engine.requests_in_flight()
+    assert len(seen) == 6
+    assert {r.headers.get("authorization") for r in seen} == {f"Bearer {KEY}"}
+
+
+def test_client_sends_no_authorization_without_a_key():
+    seen: list[httpx.Request] = []
+    client(seen, key=None).weight_version()
+    assert "authorization" not in seen[0].headers
+
+
+def test_client_error_for_a_refused_key_names_the_status_not_the_key():
+    seen: list[httpx.Request] = []
+    with pytest.raises(EngineCallFailed) as error:
+        client(seen, key=KEY, status=401).weight_version()
+    assert "HTTP 401" in str(error.value)
+    assert KEY not in str(error.value) and KEY not in repr(error.value)
+
+
+def test_client_capabilities_reads_version_and_the_routes_it_drives_from_openapi():
+    engine = FakeEngine()
+    engine.release = "0.32.0"
+    engine.routes = {"/pause", "/resume", "/is_paused", "/v1/completions", "/sleep"}
+    found = engine.client().capabilities()
+    assert found.version == "0.32.0"
+    assert found.routes == {"/pause", "/resume", "/is_paused", "/sleep"}, "only the routes the daemon drives"
+    assert found.dev_mode
+
+
+def test_client_capabilities_without_openapi_probes_is_paused_for_dev_mode():
+    engine = FakeEngine()
+    found = engine.client().capabilities()
+    assert found == Capabilities(None, None, dev_mode=True)
+    assert engine.calls[-1] == "/is_paused"
+    engine.dev_mode = False
+    assert engine.client().capabilities() == Capabilities(None, None, dev_mode=False)
+
+
+def test_client_capabilities_raises_on_an_engine_error_other_than_404():
+    engine = FakeEngine()
+    engine.fail["/version"] = error(500)
+    with pytest.raises(EngineCallFailed):
+        engine.client().capabilities()

@@ -1,0 +1,123 @@
+"""The daemon against engines not set up for it: one line and exit 2, not retries forever."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.checkpoints import write_weights
+from tests.support.fake_engine import FakeEngine
+from tests.support.hub_cache import cache_model
+from vllm_reloader.engine.capabilities import REQUIRED_ROUTES
+from vllm_reloader.tools.publish import publish
+
+BIGGER = {
+    "model.embed_tokens.weight": (16, 8),
+    "model.layers.0.mlp.up_proj.weight": (64, 8),
+    "lm_head.weight": (16, 8),
+}
+
+
+def stopped_with(running, code: int) -> dict:
+    found = running.wait_for("daemon.stopped")
+    assert found["exit_code"] == code and running.daemon.exit_code == code
+    return found
+
+
+def test_daemon_exits_2_naming_the_variable_when_dev_mode_is_off(start, root, make_checkpoint):
+    engine = FakeEngine(startup=str(make_checkpoint("step-1", step=1, root=root)))
+    engine.dev_mode = False
+    running = start(engine)
+    stopped_with(running, 2)
+    [line] = running.events("daemon.not_runnable")
+    assert "VLLM_SERVER_DEV_MODE=1" in line["reason"]
+    assert not running.events("engine.unreachable") and not running.events("engine.error"), "no retries"
+
+
+def test_daemon_exits_2_when_the_engine_lacks_a_route_it_drives(start, root, make_checkpoint):
+    engine = FakeEngine(startup=str(make_checkpoint("step-1", step=1, root=root)))
+    engine.release, engine.routes = "0.26.0", set(REQUIRED_ROUTES) - {"/collective_rpc"}
+    running = start(engine)
+    stopped_with(running, 2)
+    assert "/collective_rpc" in running.events("daemon.not_runnable")[0]["reason"]
+
+
+def test_daemon_logs_the_engines_release_and_routes_when_reconciled(start, root, make_checkpoint):
+    engine = FakeEngine(startup=str(make_checkpoint("step-1", step=1, root=root)))
+    engine.release, engine.routes = "0.32.0", {*REQUIRED_ROUTES, "/v1/completions"}
+    running = start(engine)
+    reconciled = running.wait_for("engine.reconciled")
+    assert reconciled["vllm_version"] == "0.32.0" and reconciled["routes"] == sorted(REQUIRED_ROUTES)
+    assert not running.events("engine.untested")
+
+
+def test_daemon_warns_on_a_newer_release_and_drives_it(start, root, tmp_path, make_checkpoint):
+    engine = FakeEngine(startup=str(make_checkpoint("step-1", step=1, root=root)))
+    engine.release, engine.routes = "0.40.0", set(REQUIRED_ROUTES)
+    running = start(engine)
+    running.wait_for("engine.untested", vllm_version="0.40.0")
+    publish(make_checkpoint("src", root=tmp_path / "staging", seed=2), root, step=2)
+    running.wait_for("reload.succeeded", version="step-2")
+
+
+def test_daemon_uses_the_hub_snapshot_of_a_model_id_as_baseline(
+    start, root, tmp_path, make_checkpoint, monkeypatch
+):
+    cache = tmp_path / "hf" / "hub"
+    cache_model(cache, "org/tiny", write_weights(tmp_path / "base")[0].parent)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    engine = FakeEngine(startup="org/tiny")
+    running = start(engine)
+    reconciled = running.wait_for("engine.reconciled")
+    assert reconciled["path"].startswith(str(cache / "models--org--tiny" / "snapshots"))
+    make_checkpoint("wrong", step=2, root=root, shapes=BIGGER)
+    running.wait_for("checkpoint.rejected", name="wrong", check="layout")
+    make_checkpoint("step-3", step=3, root=root, seed=3)
+    running.wait_for("reload.succeeded", version="step-3")
+
+
+def test_daemon_exits_2_saying_what_to_set_when_a_hub_model_is_not_cached(
+    start, root, tmp_path, make_checkpoint, monkeypatch
+):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    running = start(FakeEngine(startup="org/tiny"))
+    make_checkpoint("step-2", step=2, root=root)
+    stopped_with(running, 2)
+    [line] = running.events("daemon.not_runnable")
+    for named in ("org/tiny", "HF_HUB_CACHE", "[engine] baseline"):
+        assert named in line["reason"]
+    assert not running.events("reload.started"), "nothing is loaded without a baseline"
+
+
+def test_configured_baseline_overrides_the_startup_model(start, root, tmp_path, make_checkpoint, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    write_weights(tmp_path / "baseline")
+    running = start(FakeEngine(startup="org/tiny"), baseline=tmp_path / "baseline")
+    make_checkpoint("step-2", step=2, root=root)
+    running.wait_for("reload.succeeded", version="step-2")
+
+
+def test_unreadable_configured_baseline_is_an_error_naming_it(start, root, tmp_path, make_checkpoint):
+    engine = FakeEngine(startup=str(make_checkpoint("step-1", step=1, root=root)))
+    running = start(engine, baseline=tmp_path / "nowhere")
+    stopped_with(running, 2)
+    assert str(tmp_path / "nowhere") in running.events("daemon.not_runnable")[0]["reason"]
+
+
+def test_after_an_engine_restart_onto_unreadable_files_the_old_baseline_holds(
+    start, root, tmp_path, make_checkpoint
+):
+    engine = FakeEngine(startup=str(make_checkpoint("step-1", step=1, root=root)))
+    running = start(engine, engine_check_interval=0.05)
+    running.wait_for("engine.reconciled")
+    engine.startup, engine.version = str(tmp_path / "gone"), "default"  # restarted on files we cannot read
+    running.wait_for("gate.no_baseline")
+    make_checkpoint("wrong", step=2, root=root, shapes=BIGGER)
+    running.wait_for("checkpoint.rejected", name="wrong", check="layout")
+    assert not running.events("daemon.stopped"), "the daemon goes on with the baseline it had"
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_hub_cache(monkeypatch):
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HF_HOME", raising=False)
