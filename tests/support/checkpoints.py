@@ -27,13 +27,14 @@ def write_weights(
     seed: int = 0,
     shards: int = 1,
     config: Mapping[str, object] = CONFIG,
+    dtype: type[np.generic] = np.float32,
 ) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     names = sorted(shapes)
     paths = []
     for i in range(shards):
-        part = {n: rng.standard_normal(shapes[n]).astype(np.float32) for n in names[i::shards]}
+        part = {n: rng.standard_normal(shapes[n]).astype(dtype) for n in names[i::shards]}
         path = directory / (
             "model.safetensors" if shards == 1 else f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
         )

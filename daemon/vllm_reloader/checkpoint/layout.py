@@ -1,8 +1,12 @@
 """What a checkpoint looks like to the engine: tensor names, shapes, dtypes, architecture.
 
 vLLM's in-place reload copies each tensor into an existing parameter, so a checkpoint is
-loadable only if this layout equals the one being served. It is read from safetensors
-headers and `config.json` alone, never from tensor data, so it costs microseconds.
+loadable only if its names and shapes equal the ones being served. Dtypes are compared by
+what that copy converts: the weight loaders `copy_` a float32, float16 or bfloat16 tensor
+into a parameter of any of the three (a Hugging Face `Trainer` saves float32 for a bf16
+engine), while quantized and integer tensors (FP8, INT8, packed formats and their scales)
+are read bit for bit and must match exactly. It is read from safetensors headers and
+`config.json` alone, never from tensor data, so it costs microseconds.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ ARCH_FIELDS = (
 )
 
 TensorSpec = tuple[str, tuple[int, ...]]
+CONVERTED_ON_COPY = frozenset({"F32", "F16", "BF16"})
+"""Dtypes a vLLM weight loader converts between when it copies a tensor into a parameter."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,14 @@ def _spec(spec: TensorSpec) -> str:
     return f"{dtype}{list(shape)}"
 
 
+def loadable_into(ours: TensorSpec, theirs: TensorSpec) -> bool:
+    """Same shape, and a dtype the engine's copy converts (or the same dtype)."""
+    (our_dtype, our_shape), (their_dtype, their_shape) = ours, theirs
+    if our_shape != their_shape:
+        return False
+    return our_dtype == their_dtype or {our_dtype, their_dtype} <= CONVERTED_ON_COPY
+
+
 def first_difference(candidate: Layout, serving: Layout) -> tuple[str, str | None] | None:
     """None when loadable; else (reason, tensor name or None) naming the first difference."""
     for key in ARCH_FIELDS:
@@ -101,7 +115,7 @@ def first_difference(candidate: Layout, serving: Layout) -> tuple[str, str | Non
             )
     for name in sorted(candidate.tensors.keys() | serving.tensors.keys()):
         ours, theirs = candidate.tensors.get(name), serving.tensors.get(name)
-        if ours == theirs:
+        if ours == theirs or (ours and theirs and loadable_into(ours, theirs)):
             continue
         if ours is None:
             return f"tensor {name} is missing (serving has {_spec(theirs)})", name  # type: ignore[arg-type]
