@@ -5,7 +5,9 @@
 - `VLLM_RELOADER_FAILPOINT_DIR=<dir>`: at <name>, while `<dir>/<name>.hold` exists, the
   process writes `<dir>/<name>.held` and waits (at most `HOLD_LIMIT` seconds) until the test
   removes the `.hold` file — so a test can change files at an exact moment. The worker
-  extension, inside the engine, honours it too (`mid_load`).
+  extension, inside the engine, honours it too (`mid_load`). In that directory,
+  `<name>.rank<N>.fail` makes rank N alone raise at <name>, once (the file is taken): one
+  tensor-parallel rank failing a load, the restore after it loading fine.
 
 Off in production: both variables are read once at import; `hit` is two comparisons with
 None. Standard library only: the extension imports it inside vLLM.
@@ -13,6 +15,7 @@ None. Standard library only: the extension imports it inside vLLM.
     after_gate     the gate said ready; nothing compared again, nothing sent to the engine
     before_pause   the files compared again, nothing sent to the engine yet
     after_pause    the engine paused, weights untouched
+    load_start     (in the engine, each rank) a load asked for, the model not touched yet
     mid_load       (in the engine) the first run of tensors handed to the model
     after_reload   new weights loaded, version still `reloading:<v>`, files not compared yet
     after_version  version set and the engine resumed, the state file not yet written
@@ -25,7 +28,15 @@ import signal
 import time
 from pathlib import Path
 
-NAMES = ("after_gate", "before_pause", "after_pause", "mid_load", "after_reload", "after_version")
+NAMES = (
+    "after_gate",
+    "before_pause",
+    "after_pause",
+    "load_start",
+    "mid_load",
+    "after_reload",
+    "after_version",
+)
 KILL_NAMES = ("before_pause", "after_pause", "after_reload", "after_version")
 """Where the restart tests kill the daemon (mid_load is the engine's, after_gate holds only)."""
 HOLD_LIMIT = 120.0
@@ -33,11 +44,25 @@ _KILL = os.environ.get("VLLM_RELOADER_FAILPOINT") or None
 _HOLD_DIR = os.environ.get("VLLM_RELOADER_FAILPOINT_DIR") or None
 
 
-def hit(name: str) -> None:
+class FailpointError(RuntimeError):
+    """Raised where a test asked one rank to fail."""
+
+
+def hit(name: str, *, rank: int | None = None) -> None:
     if _KILL is not None and name == _KILL:
         os.kill(os.getpid(), signal.SIGKILL)
     if _HOLD_DIR is not None:
+        if rank is not None and _take(Path(_HOLD_DIR) / f"{name}.rank{rank}.fail"):
+            raise FailpointError(f"failpoint {name} on rank {rank}")
         _hold(Path(_HOLD_DIR), name)
+
+
+def _take(path: Path) -> bool:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _hold(directory: Path, name: str) -> None:

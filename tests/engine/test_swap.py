@@ -62,10 +62,10 @@ def test_engine_swap_reports_unrestored_weights_when_restore_fails_too():
 
 def test_engine_swap_resumes_when_version_update_fails():
     engine = FakeEngine()
-    engine.fail["/reset_prefix_cache"] = error(500)
+    engine.fail["/update_weight_version"] = error(500)
     with pytest.raises(EngineCallFailed):
         swap(engine)
-    assert not engine.paused
+    assert not engine.paused and engine.calls[-1] == "/resume"
 
 
 def test_engine_swap_reports_resume_failure_instead_of_hiding_it():
@@ -162,7 +162,7 @@ def test_engine_reload_uses_a_connection_of_its_own():
 
     def handle(request: httpx.Request) -> httpx.Response:
         seen.append(request.headers.get("connection"))
-        return httpx.Response(200, json={"results": [None]})
+        return httpx.Response(200, json={"results": [{"loader": "extension"}]})
 
     client = EngineClient(EngineConfig(url="http://engine.test"), transport=httpx.MockTransport(handle))
     client.reload_weights("/root/step-2")
@@ -219,3 +219,52 @@ def test_engine_swap_does_not_claim_a_restore_of_a_fallback_that_changed(tmp_pat
     with pytest.raises(ReloadFailed, match="restoring step-1 failed too") as failed:
         hot_swap(engine.client(), NEW, fallback=fallback, on_resume_failed=print, extension=True)
     assert not failed.value.restored and not engine.paused
+
+
+def test_engine_swap_resets_the_prefix_cache_even_with_requests_kept_through_the_pause():
+    """vLLM refuses to reset while kept requests hold blocks: they are preempted (recomputed)."""
+    engine = FakeEngine()
+    engine.running = 3
+    swap(engine)
+    assert engine.preempted == 3 and engine.version == "step-2"
+
+
+def test_engine_swap_treats_a_refused_prefix_cache_reset_as_a_failed_step():
+    """New weights behind prefixes cached with the old ones: the old weights go back."""
+    engine = FakeEngine()
+    engine.cache_reset_refused = True
+    with pytest.raises(ReloadFailed) as failed:
+        swap(engine)
+    assert "could not reset its prefix cache" in str(failed.value)
+    assert engine.loaded == "/root/step-1" and not engine.paused
+    assert engine.version != "step-2"
+
+
+def test_engine_reload_counts_every_ranks_answer():
+    """Tensor parallelism: one report per rank; one without a load is a failed reload."""
+    answers = [
+        {"loader": "extension", "bytes": 10, "seconds": 1.5},
+        {"loader": "extension", "bytes": 12, "seconds": 2.0},
+    ]
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"results": answers})
+
+    client = EngineClient(EngineConfig(url="http://engine.test"), transport=httpx.MockTransport(handle))
+    report = client.reload_weights("/root/step-2", extension=True)
+    assert report is not None
+    assert (report["bytes"], report["seconds"], report["workers"]) == (22, 2.0, 2)
+    assert report["ranks"] == answers
+    answers[1] = None  # type: ignore[call-overload]
+    with pytest.raises(EngineCallFailed, match="rank 1 of 2 reported no load"):
+        client.reload_weights("/root/step-2", extension=True)
+
+
+def test_engine_swap_restores_when_one_rank_reports_no_load():
+    engine = FakeEngine()
+    engine.extension = True
+    engine.ranks = 2
+    engine.rank_fails = 1
+    with pytest.raises(ReloadFailed, match="rank 1 of 2") as failed:
+        hot_swap(engine.client(), NEW, fallback=OLD, on_resume_failed=lambda e: None, extension=True)
+    assert failed.value.restored and engine.loaded == "/root/step-1" and not engine.paused

@@ -13,6 +13,7 @@ import pytest
 import torch  # the test environment has it (the engine extra): never skipped
 from safetensors.torch import save_file
 
+from tests.support.hub_cache import cache_model
 from vllm_reloader.checkpoint.files import INDEX_NAME, Identity, identity
 from vllm_reloader.extension import readers as worker
 from vllm_reloader.extension.readers import BufferPool, LoadStats, TensorRead
@@ -237,3 +238,20 @@ def test_worker_reports_how_long_the_model_took_with_what_it_was_handed(tmp_path
     ):
         time.sleep(0.002)  # the model copying it into its parameter
     assert stats.model_s >= 0.002 * stats.tensors and stats.read_s > 0
+
+
+def test_worker_reads_the_engines_own_hub_snapshot_through_its_blob_links(tmp_path: Path):
+    """The startup model (a rollback's last target) may be a Hugging Face cache snapshot."""
+    tensors, directory, _ = _verified(tmp_path)
+    snapshot = cache_model(tmp_path / "hub", "org/tiny", directory)
+    assert (snapshot / INDEX_NAME).is_symlink()
+    assert len(_plan(snapshot)) == len(tensors)
+
+
+def test_worker_never_follows_a_link_in_a_verified_checkpoint(tmp_path: Path):
+    _, directory, verified = _verified(tmp_path)
+    shard = directory / "model-00001-of-00002.safetensors"
+    shard.rename(tmp_path / "elsewhere.safetensors")
+    shard.symlink_to(tmp_path / "elsewhere.safetensors")
+    with pytest.raises(OSError, match="Too many levels of symbolic links"):
+        _plan(directory, verified)

@@ -52,8 +52,9 @@ class World:
         return name, target
 
     def publish(self, weights: str, *, step: int | None = None) -> str:
+        """Publish A, B or C; by default with a step above what is served, so it loads."""
         name, staged = self.stage(weights)
-        step = step or int(name.split("-")[1])
+        step = step or _next_step_above_serving(self)
         self.highest = max(self.highest, step)
         list_files(staged, name, step=step)
         staged.rename(self.root / name)

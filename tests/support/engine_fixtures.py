@@ -45,7 +45,7 @@ def _tail(path: Path, lines: int = 40) -> str:
 @dataclass
 class Engine:
     url: str
-    startup: Path
+    startup: Path | str
     process: subprocess.Popen[bytes]
     log_path: Path
     log_file: BinaryIO
@@ -92,15 +92,18 @@ class Engine:
 
 
 def start_engine(
-    model: Path,
+    model: Path | str,
     log_path: Path,
     port: int | None = None,
     *,
     extension: bool = True,
     api_key: str | None = API_KEY,
+    env: dict[str, str] | None = None,
+    args: tuple[str, ...] = (),
 ) -> Engine:
-    """A real CPU vLLM engine, by default with the reloader's worker extension and `--api-key`;
-    its failpoint directory (for holds) is `<log dir>/failpoints`."""
+    """A real CPU vLLM engine (`model`: a directory, or a hub id in the cache `env` names), by
+    default with the reloader's worker extension and `--api-key`; its failpoint directory (for
+    holds) is `<log dir>/failpoints`."""
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
@@ -108,8 +111,8 @@ def start_engine(
     port = port or free_port()
     holds = log_path.parent / "failpoints"
     holds.mkdir(exist_ok=True)
-    env = {**os.environ, **ENGINE_ENV, "VLLM_RELOADER_FAILPOINT_DIR": str(holds)}
-    command = engine_command(model, port, ENGINE_DTYPE, extension=extension, api_key=api_key)
+    env = {**os.environ, **ENGINE_ENV, "VLLM_RELOADER_FAILPOINT_DIR": str(holds), **(env or {})}
+    command = [*engine_command(model, port, ENGINE_DTYPE, extension=extension, api_key=api_key), *args]
     log = log_path.open("wb")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     engine = Engine(f"http://127.0.0.1:{port}", model, process, log_path, log, holds, api_key)

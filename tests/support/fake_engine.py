@@ -46,6 +46,16 @@ class FakeEngine:
         """False: every dev route answers 404, as vLLM without VLLM_SERVER_DEV_MODE=1."""
         self.revision: str | None = None
         """`--revision`, as `/server_info` reports it."""
+        self.running = 0
+        """Requests holding KV blocks: vLLM refuses to reset the prefix cache while any does,
+        unless told to preempt them (`reset_running_requests`)."""
+        self.preempted = 0
+        self.ranks = 1
+        """Workers answering each collective_rpc (tensor parallelism)."""
+        self.rank_fails: int | None = None
+        """With the extension: this rank answers without a load report (for the next load only)."""
+        self.cache_reset_refused = False
+        """Answer `{"success": false}` to every reset (blocks held by a KV transfer)."""
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -96,12 +106,18 @@ class FakeEngine:
                     return httpx.Response(500, json={"error": {"message": "no attribute"}})
                 if problem := self._load(body["kwargs"]["path"], body["kwargs"].get("files")):
                     return httpx.Response(500, json={"error": {"message": problem}})
-                return httpx.Response(200, json={"results": [{"loader": "extension", "bytes": 42}]})
+                results: list[object] = [{"loader": "extension", "bytes": 42}] * self.ranks
+                if self.rank_fails is not None:
+                    results[self.rank_fails], self.rank_fails = None, None
+                return httpx.Response(200, json={"results": results})
             if problem := self._load(body["kwargs"]["weights_path"], None):
                 return httpx.Response(500, json={"error": {"message": problem}})
-            return httpx.Response(200, json={"results": [None]})
+            return httpx.Response(200, json={"results": [None] * self.ranks})
         if path == "/reset_prefix_cache":
-            return httpx.Response(200, json={"success": True})
+            if request.url.params.get("reset_running_requests") == "true":
+                self.preempted, self.running = self.preempted + self.running, 0
+            success = self.running == 0 and not self.cache_reset_refused
+            return httpx.Response(200, json={"success": success})
         if path == "/metrics":
             return httpx.Response(200, text="# HELP x\nvllm:num_requests_running{model_name=\"tiny\"} 3.0\n"
                                   "vllm:num_requests_waiting{model_name=\"tiny\"} 2.0\n")  # fmt: skip

@@ -159,15 +159,28 @@ class EngineClient:
             # the restore that follows fail on a dead socket. One connection per reload.
             headers={"Connection": "close"},
         )
+        results = body.get("results") if isinstance(body, dict) else None
+        if not isinstance(results, list) or not results:
+            raise EngineCallFailed(
+                "/collective_rpc: no per-worker results in the answer", endpoint="/collective_rpc"
+            )
         if not extension:
             return None
-        results = body.get("results") if isinstance(body, dict) else None
-        if not results or not isinstance(results[0], dict):
-            return {}  # loaded, but said nothing about it
-        return {**results[0], **({"workers": len(results)} if len(results) > 1 else {})}
+        return load_report(results)
 
     def reset_prefix_cache(self) -> None:
-        self._call("POST", "/reset_prefix_cache")
+        """Drop every cached prefix: its KV was computed with the weights just replaced.
+
+        Requests kept through the pause still hold KV blocks, and vLLM refuses to reset while
+        any block is held (`{"success": false}`), so they are preempted too
+        (`reset_running_requests`): they resume by recomputing on the new weights, none fails.
+        A refusal all the same is a failed step, never ignored."""
+        body = self._call("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})
+        if isinstance(body, dict) and body.get("success") is False:
+            raise EngineCallFailed(
+                "/reset_prefix_cache: the engine could not reset its prefix cache (success: false)",
+                endpoint="/reset_prefix_cache",
+            )
 
     def set_weight_version(self, version: str) -> None:
         self._call("POST", "/update_weight_version", json={"new_version": version})
@@ -212,6 +225,27 @@ class ServerConfig:
     """Started with `--worker-extension-cls` naming `EXTENSION`."""
     revision: str | None = None
     """`--revision`: which snapshot of a hub model id (default: the cache's `main`)."""
+
+
+def load_report(results: list[Any]) -> dict[str, Any]:
+    """Every worker's answer counts: one that did not report a load is a failed reload (with
+    tensor parallelism each rank loads its own part). One worker: its report; several: rank
+    0's, with bytes summed, the slowest rank's seconds, and every rank's report listed."""
+    for rank, result in enumerate(results):
+        if not isinstance(result, dict) or "loader" not in result:
+            raise EngineCallFailed(
+                f"/collective_rpc: rank {rank} of {len(results)} reported no load ({str(result)[:200]})",
+                endpoint="/collective_rpc",
+            )
+    if len(results) == 1:
+        return dict(results[0])
+    return {
+        **results[0],
+        "bytes": sum(int(r.get("bytes") or 0) for r in results),
+        "seconds": max(float(r.get("seconds") or 0.0) for r in results),
+        "workers": len(results),
+        "ranks": results,
+    }
 
 
 def _str_or_none(value: object) -> str | None:

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from .. import failpoints
 from ..checkpoint.files import Identity
 from ..checkpoint.files import changed as files_changed
-from ..errors import EngineError, EngineUnavailable, ReloadFailed
+from ..errors import EngineCallFailed, EngineError, EngineUnavailable, ReloadFailed
 from .client import RELOADING_PREFIX, EngineClient
 
 
@@ -107,8 +107,11 @@ def hot_swap(
             raise _restore(
                 client, fallback, f"files changed during the reload: {problem}", extension, changed=True
             )
-        with _timed(timings, "reset"):
-            client.reset_prefix_cache()
+        try:
+            with _timed(timings, "reset"):
+                client.reset_prefix_cache()
+        except EngineCallFailed as exc:  # new weights behind old cached prefixes: go back
+            raise _restore(client, fallback, str(exc), extension) from exc
         client.set_weight_version(target.version)
     finally:
         if asleep:  # a failure on the way: an engine left asleep serves nothing

@@ -16,20 +16,22 @@ from typing import Any
 
 import torch
 
+from .. import failpoints
 from .readers import DTYPES, BufferPool, Checkpoint, LoadStats, layer_order, plan, read_weights, runs
 
 
 class DeviceMemory:
-    """Device memory in use before / after / at peak of a reload; on CPU, the process RSS
-    (no peak: it is the same memory the model lives in)."""
+    """Device memory in use before / after / at peak of a reload; on CPU — and on an XLA
+    device without allocator stats, such as torch_xla's CPU device — the process RSS (no
+    peak: it is the same memory the model lives in)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
     def used(self) -> int:
-        if self.device.type == "xla":
-            return int(self._xla()["bytes_used"])
-        if self.device.type == "cpu":
+        if self.device.type == "xla" and (info := self._xla()) is not None:
+            return int(info["bytes_used"])
+        if self.device.type in ("cpu", "xla"):
             with open("/proc/self/statm") as f:
                 return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         return int(torch.accelerator.memory_allocated(self.device.index))
@@ -40,15 +42,20 @@ class DeviceMemory:
 
     def peak(self) -> int | None:
         if self.device.type == "xla":
-            return int(self._xla().get("peak_bytes_used", 0)) or None
+            info = self._xla() or {}
+            return int(info.get("peak_bytes_used", 0)) or None
         if self.device.type == "cpu":
             return None
         return int(torch.accelerator.max_memory_allocated(self.device.index))
 
-    def _xla(self) -> dict[str, Any]:
+    def _xla(self) -> dict[str, Any] | None:
+        """A TPU's allocator stats; None where the device has none (PJRT's CPU client)."""
         import torch_xla.core.xla_model as xm  # TPU only
 
-        return dict(xm.get_memory_info(self.device))
+        try:
+            return dict(xm.get_memory_info(self.device))
+        except RuntimeError:  # "UNIMPLEMENTED: GetAllocatorStats is not supported"
+            return None
 
 
 class ReloadExtension:
@@ -72,6 +79,7 @@ class ReloadExtension:
         daemons; `buffered` is the only one)."""
         if reader != "buffered":
             raise ValueError(f"reader {reader!r}: only buffered (a mapped read dies on a truncated file)")
+        failpoints.hit("load_start", rank=getattr(self, "rank", None))
         model = self.model_runner.get_model()
         memory = DeviceMemory(self.device)
         pool = _pool(self)

@@ -36,7 +36,7 @@ DTYPE = os.environ.get("VLLM_RELOADER_DEMO_DTYPE", "float32")
 
 
 def engine_command(
-    model: Path, port: int, dtype: str = DTYPE, *, extension: bool = True, api_key: str | None = None
+    model: Path | str, port: int, dtype: str = DTYPE, *, extension: bool = True, api_key: str | None = None
 ) -> list[str]:
     """A CPU vLLM server on loopback with the dev endpoints the daemon drives, (unless told
     not to) the reloader's worker extension, and `--api-key` when given one."""
