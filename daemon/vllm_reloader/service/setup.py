@@ -68,15 +68,24 @@ def settle_baseline(
     found = baseline(config, served.startup or server.model, serving)
     if found.layout is not None:
         return found.layout
+    why = no_baseline(found, server, configured=config.baseline is not None)
     if served.baseline is None:
-        raise EngineNotSetUp(no_baseline(found, server))
-    logger.error("gate.no_baseline", paths=list(found.tried), reason=no_baseline(found, server))
+        raise EngineNotSetUp(why)
+    logger.error("gate.no_baseline", paths=list(found.tried), reason=why)
     return served.baseline
 
 
-def no_baseline(found: Baseline, server: ServerConfig, environ: Mapping[str, str] | None = None) -> str:
+def no_baseline(
+    found: Baseline,
+    server: ServerConfig,
+    *,
+    configured: bool = False,
+    environ: Mapping[str, str] | None = None,
+) -> str:
     """One line for an operator: where the daemon looked, and what to set."""
     looked = ", ".join(found.tried)
+    if configured:
+        return f"[engine] baseline = {looked}: no readable safetensors headers there (the served model's)"
     if hub.is_model_id(server.model):
         cache = hub.cache_dir(os.environ if environ is None else environ)
         return (
