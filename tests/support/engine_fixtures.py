@@ -100,6 +100,7 @@ def start_engine(
     api_key: str | None = API_KEY,
     env: dict[str, str] | None = None,
     args: tuple[str, ...] = (),
+    dtype: str = ENGINE_DTYPE,
 ) -> Engine:
     """A real CPU vLLM engine (`model`: a directory, or a hub id in the cache `env` names), by
     default with the reloader's worker extension and `--api-key`; its failpoint directory (for
@@ -112,7 +113,7 @@ def start_engine(
     holds = log_path.parent / "failpoints"
     holds.mkdir(exist_ok=True)
     env = {**os.environ, **ENGINE_ENV, "VLLM_RELOADER_FAILPOINT_DIR": str(holds), **(env or {})}
-    command = [*engine_command(model, port, ENGINE_DTYPE, extension=extension, api_key=api_key), *args]
+    command = [*engine_command(model, port, dtype, extension=extension, api_key=api_key), *args]
     log = log_path.open("wb")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     engine = Engine(f"http://127.0.0.1:{port}", model, process, log_path, log, holds, api_key)

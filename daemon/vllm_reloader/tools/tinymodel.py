@@ -25,8 +25,11 @@ def write_tokenizer(out: Path) -> None:
     fast.save_pretrained(str(out))
 
 
-def write_checkpoint(out: Path, *, seed: int, hidden_size: int = 64, layers: int = 2) -> Path:
-    """Write a random Llama with its tokenizer into `out` (HF layout, safetensors)."""
+def write_checkpoint(
+    out: Path, *, seed: int, hidden_size: int = 64, layers: int = 2, head_dim: int = 32
+) -> Path:
+    """Write a random Llama with its tokenizer into `out` (HF layout, safetensors). A head_dim
+    that is not a multiple of 32 (48) keeps vLLM's CPU attention off its AMX bfloat16 kernel."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
@@ -39,9 +42,9 @@ def write_checkpoint(out: Path, *, seed: int, hidden_size: int = 64, layers: int
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
         num_hidden_layers=layers,
-        num_attention_heads=hidden_size // 32,
-        num_key_value_heads=hidden_size // 32,
-        head_dim=32,
+        num_attention_heads=hidden_size // head_dim,
+        num_key_value_heads=hidden_size // head_dim,
+        head_dim=head_dim,
         max_position_embeddings=256,
         bos_token_id=1,
         eos_token_id=2,
