@@ -75,3 +75,41 @@ def test_gate_rejects_a_checkpoint_with_nan_weights(make_checkpoint: MakeCheckpo
     assert verdict.status == "rejected" and verdict.details["check"] == "finite"
     assert "lm_head.weight" in verdict.reason
     assert gate.check(directory, serving=None, options=gate.GateOptions(check_finite=False)).status == "ready"
+
+
+def _streamed(path, pieces: int, seed: int) -> scan.StreamScan:
+    """The file fed to a StreamScan in `pieces` pieces cut at random offsets (odd ones too)."""
+    data = path.read_bytes()
+    cuts = sorted(np.random.default_rng(seed).choice(np.arange(1, len(data)), pieces - 1, replace=False))
+    streamed = scan.StreamScan(path.name)
+    for start, end in zip([0, *cuts], [*cuts, len(data)], strict=True):
+        streamed.update(memoryview(data)[start:end])
+    return streamed
+
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_stream_scan_in_pieces_finds_what_the_file_scan_finds(tmp_path, dtype, seed):
+    """A download's parts split elements and the header anywhere: same answer as one read."""
+    values = np.random.default_rng(seed).standard_normal(12_001)
+    write_raw(tmp_path / "clean.safetensors", dtype, as_dtype(values, dtype))
+    values[11_999] = np.nan
+    write_raw(tmp_path / "bad.safetensors", dtype, as_dtype(values, dtype))
+    for name, expected in (("clean", None), ("bad", "t")):
+        assert scan.first_non_finite(tmp_path / f"{name}.safetensors") == expected
+        streamed = _streamed(tmp_path / f"{name}.safetensors", pieces=40, seed=seed)
+        assert streamed.scanned and streamed.found == expected, name
+
+
+def test_stream_scan_names_the_first_bad_tensor_among_several(tmp_path):
+    tensors = {f"t{i}": np.ones(1_001, np.float32) for i in range(4)} | {"ids": np.arange(7, dtype=np.int16)}
+    tensors["t2"][1_000] = np.inf
+    save_file(tensors, str(tmp_path / "x.safetensors"))
+    assert _streamed(tmp_path / "x.safetensors", pieces=25, seed=3).found == "t2"
+
+
+def test_stream_scan_of_what_is_no_safetensors_file_scans_nothing(tmp_path):
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(b"\xff" * 8 + b"not json")
+    streamed = _streamed(path, pieces=3, seed=0)
+    assert not streamed.scanned and streamed.found is None

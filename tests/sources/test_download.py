@@ -72,6 +72,9 @@ def test_download_uses_ranged_parts_and_places_a_verified_checkpoint(uploaded, t
     assert result.fetched_bytes == sum(sizes.values()) and result.reused_bytes == 0
     assert gate.check(result.path, serving=None).status == "ready"
     assert not (result.path / JOURNAL_NAME).exists()
+    shards = {name for name in sizes if name.endswith(".safetensors")}
+    assert result.scanned == dict.fromkeys(shards), "each shard scanned for NaN as it streamed in"
+    assert set(result.blake3) == set(sizes)
 
 
 def test_download_killed_midway_resumes_without_fetching_finished_parts_again(uploaded, tmp_path):

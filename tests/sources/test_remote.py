@@ -506,21 +506,39 @@ def test_remote_checkpoint_rewritten_under_the_same_name_is_fetched_again(
     assert harness.fetched() == ["step-5", "step-5"], "fetched once per rewrite"
 
 
-def test_remote_download_verified_while_streaming_is_not_hashed_again(
+def test_remote_download_verified_while_streaming_is_not_read_again(
     tmp_path, bucket: Bucket, checkpoint: Path
 ):
-    """The digests checked as the bytes came in are kept by the placed files' identities: the
-    local gate settles them without reading (the NaN scan, when asked, still reads)."""
+    """The digests checked and the NaN scan done as the bytes came in are kept by the placed
+    files' identities: the local gate settles them without reading."""
     harness = Harness(tmp_path, bucket.url)
     harness.source.verified_files = cache = verified.Cache()
     bucket.upload_dir(checkpoint, "step-5")
     harness.source.poll()
     placed = harness.root / "step-5"
     run = gate.Run(cache=cache)
-    options = gate.GateOptions(check_finite=False)
-    assert gate.check(placed, serving=None, options=options, run=run).status == "ready"
+    assert gate.check(placed, serving=None, run=run).status == "ready"
     listed = sum(p.stat().st_size for p in placed.iterdir() if p.name != "manifest.json")
     assert run.progress.cached == listed == run.progress.done, "nothing read again"
-    scanned = gate.Run(cache=cache)
-    assert gate.check(placed, serving=None, run=scanned).status == "ready"
-    assert scanned.progress.cached < scanned.progress.done, "the NaN scan read the shards once"
+
+
+def test_remote_download_with_nan_weights_is_rejected_from_its_streaming_scan(
+    tmp_path, bucket: Bucket, make_checkpoint
+):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    diverged = make_checkpoint("src", root=tmp_path / "src")
+    save_file(
+        {"model.embed_tokens.weight": np.full((16, 8), np.nan, np.float32)},
+        str(diverged / "model.safetensors"),
+    )
+    write_manifest(diverged, step=5)
+    harness = Harness(tmp_path, bucket.url)
+    harness.source.verified_files = cache = verified.Cache()
+    bucket.upload_dir(diverged, "step-5")
+    harness.source.poll()
+    run = gate.Run(cache=cache)
+    verdict = gate.check(harness.root / "step-5", serving=None, run=run)
+    assert verdict.status == "rejected" and verdict.details["check"] == "finite"
+    assert run.progress.cached == run.progress.done > 0, "known from the download, not read again"

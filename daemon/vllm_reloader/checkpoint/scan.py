@@ -27,7 +27,17 @@ import blake3
 
 from ..errors import LayoutUnreadable
 from . import finite, verified
-from .files import RACY_NS, Header, Identity, Tensor, header_in, identity, open_regular, read_exactly
+from .files import (
+    RACY_NS,
+    Header,
+    Identity,
+    Tensor,
+    header_in,
+    identity,
+    open_regular,
+    read_exactly,
+    read_header,
+)
 from .manifest import ManifestFile, digest_mismatch, hashers
 
 CHUNK = 8 << 20
@@ -114,6 +124,65 @@ def _non_finite(buffer: bytearray, start: int, end: int, tensors: list[Tensor]) 
         if low < high and finite.holds_non_finite(buffer, low - start, high - start, tensor.dtype):
             return tensor.name
     return None
+
+
+class StreamScan:
+    """The non-finite scan of one safetensors file fed in file order, in pieces of any size
+    (a download's parts as they are hashed), so a downloaded file is not read again for it.
+    Pieces are cut where no element of a tensor straddles the cut; the bytes of a split
+    element wait for the next piece. Not a safetensors header: nothing is scanned
+    (`scanned` False) and the gate reads the file itself."""
+
+    def __init__(self, file_name: str) -> None:
+        self.file_name = file_name
+        self.header: Header | None = None
+        self.found: str | None = None
+        """The first tensor holding NaN or Inf (scanning stops there)."""
+        self.unreadable = False
+        self._pending = bytearray()
+        """Fed bytes not scanned yet, from `_at`: the header while incomplete, or a split element."""
+        self._at = 0
+        self._tensors: list[Tensor] = []
+
+    @property
+    def scanned(self) -> bool:
+        return self.header is not None and not self.unreadable
+
+    def update(self, data: memoryview | bytes) -> None:
+        if self.found is not None or self.unreadable:
+            return
+        self._pending += data
+        if self.header is None and not self._read_header():
+            return
+        end = self._at + len(self._pending)
+        cut = self._cut(end)
+        if cut > self._at:
+            self.found = _non_finite(self._pending, self._at, cut, self._tensors)
+            del self._pending[: cut - self._at]
+            self._at = cut
+
+    def _read_header(self) -> bool:
+        head = self._pending
+        try:
+            self.header = read_header(self.file_name, lambda a, b: bytes(head[a:b]), len(head))
+        except LayoutUnreadable:
+            self.unreadable = True
+            self._pending = bytearray()
+            return False
+        if self.header is None:
+            return False
+        self._tensors = sorted(self.header.tensors, key=lambda t: t.start)
+        del self._pending[: self.header.data_start]
+        self._at = self.header.data_start
+        return True
+
+    def _cut(self, end: int) -> int:
+        """The last offset up to `end` that splits no element."""
+        for tensor in self._tensors:
+            if tensor.start < end < tensor.end:
+                stride = max(1, finite.element_bytes(tensor.dtype))
+                return max(self._at, tensor.start + (end - tensor.start) // stride * stride)
+        return end
 
 
 class _Cancelled(Exception):

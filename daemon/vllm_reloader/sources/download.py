@@ -23,7 +23,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..checkpoint.files import is_top_level_shard
 from ..checkpoint.manifest import Manifest, ManifestFile, digest_mismatch, hashers
+from ..checkpoint.scan import StreamScan
 from ..durable import fsync_dir, write_synced
 from ..errors import Cancelled, DownloadError, SourceError
 from .objstore import Object, Store
@@ -41,6 +43,8 @@ class Plan:
     concurrency: int = 8
     part_size: int = 16 << 20
     min_free_bytes: int = 1 << 30
+    scan_finite: bool = True
+    """Scan the shards for NaN/Inf as they stream in, so the gate need not read them again."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ class Fetched:
     seconds: float = 0.0
     blake3: dict[str, str] = field(default_factory=dict)
     """Each file's blake3 as computed while it streamed in, checked against the manifest."""
+    scanned: dict[str, str | None] = field(default_factory=dict)
+    """Each shard scanned while it streamed in: the first tensor holding NaN/Inf, or None."""
 
 
 class _Journal:
@@ -164,6 +170,11 @@ class _Download:
         """Fetch and hash everything; returns why the bytes are bad, or "" when they are good."""
         self.entries = {e.path: e for e in self.manifest.files}
         self.states = {path: hashers(e) for path, e in self.entries.items()}
+        self.scans = {
+            path: StreamScan(path)
+            for path in self.entries
+            if self.plan.scan_finite and is_top_level_shard(path)
+        }
         self.remaining = {path: e.size for path, e in self.entries.items()}
         for entry in self.entries.values():
             if entry.size == 0 and (bad := self._finish(entry)):
@@ -193,6 +204,8 @@ class _Download:
             self.fetched += end - start
         for state in self.states[path].values():
             state.update(data)
+        if (scan := self.scans.get(path)) is not None:
+            scan.update(data)
         self.remaining[path] -= end - start
         return self._finish(self.entries[path]) if self.remaining[path] == 0 else ""
 
@@ -250,8 +263,9 @@ def fetch(
                 shutil.rmtree(staging, ignore_errors=True)
                 return Fetched(None, bad, download.fetched, download.reused, seconds)
             digests = {p: s["blake3"].hexdigest() for p, s in download.states.items() if "blake3" in s}
+            scanned = {p: scan.found for p, scan in download.scans.items() if scan.scanned}
             placed = _place(staging, root, name, last)
-            return Fetched(placed, "", download.fetched, download.reused, seconds, digests)
+            return Fetched(placed, "", download.fetched, download.reused, seconds, digests, scanned)
     except OSError as exc:
         raise DownloadError(f"downloading {name} into {staging}: {exc.strerror or exc}") from exc
     raise AssertionError("unreachable")

@@ -318,6 +318,7 @@ class RemoteSource:
             self.config.source.download_concurrency,
             self.config.source.part_size,
             self.config.state.min_free_bytes,
+            self.config.gate.check_finite,
         )
         self.log.info("download.started", name=name, bytes=files.total_bytes, files=len(files.files))
         try:
@@ -346,7 +347,7 @@ class RemoteSource:
         if seen.signal == SINGLE_NAME and fetched.path is not None:
             _backdate(fetched.path, max(o.modified for o in objects.values()))
         if fetched.path is not None:
-            self._remember(fetched.path, fetched.blake3)
+            self._remember(fetched.path, fetched.blake3, fetched.scanned)
         self.log.info(
             "download.finished",
             name=name,
@@ -357,19 +358,24 @@ class RemoteSource:
         )
         self.post(Downloaded(name))
 
-    def _remember(self, directory: Path, digests: Mapping[str, str]) -> None:
-        """The digests just checked while streaming, under the placed files' identities: read
-        a timestamp tick after the last write, so a later write would show (racily clean)."""
+    def _remember(
+        self, directory: Path, digests: Mapping[str, str], scanned: Mapping[str, str | None]
+    ) -> None:
+        """The digests just checked (and NaN scans done) while streaming, under the placed
+        files' identities: read a timestamp tick after the last write, so a later write would
+        show (racily clean)."""
         if self.verified_files is None:
             return
         time.sleep(RACY_NS / 1e9)
         started_ns = time.time_ns()
-        for path, digest in digests.items():
+        for path in digests.keys() | scanned.keys():  # a foreign writer's files have no digests
             try:
                 found = identity(os.lstat(directory / path))
             except OSError:
                 continue
-            self.verified_files.put(verified.Verified(found, digest, None, False, started_ns))
+            digest = digests.get(path, "")
+            result = verified.Verified(found, digest, scanned.get(path), path in scanned, started_ns)
+            self.verified_files.put(result)
 
     def _clean_staging(self, keep: set[str]) -> None:
         """Partial downloads of checkpoints that are gone from the store, or already placed."""
