@@ -59,20 +59,17 @@ def test_e2e_bf16_engine_started_offline_from_a_hub_model_id_takes_float32_and_f
     finds the snapshot for its baseline. A' (A with the values float16 cannot hold zeroed) is
     the same numbers in bfloat16, float16 and float32, so the engine's fresh answers on the
     cached float16 copy are the reference for each copy hot-reloaded after other weights (B).
-    Its own engine, and a model whose head_dim (48) keeps vLLM off its AMX bfloat16 attention,
-    which crashes on this CPU."""
+    Its own engine."""
     from vllm_reloader.tools.tinymodel import write_checkpoint
 
-    a, b = (
-        write_checkpoint(tmp_path / n, seed=s, hidden_size=96, head_dim=48) for n, s in (("a", 1), ("b", 2))
-    )
+    a, b = (write_checkpoint(tmp_path / n, seed=s) for n, s in (("a", 1), ("b", 2)))
     a16 = converted(a, tmp_path / "a16", "float16", exact=True)
     a32 = converted(a, tmp_path / "a32", "float32", exact=True)
     a_bf16 = converted(a, tmp_path / "abf16", "bfloat16", exact=True)
     cache = tmp_path / "hf" / "hub"
     snapshot = cache_model(cache, "org/tiny", a16)
     hub = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}
-    engine = start_engine("org/tiny", tmp_path / "hub-engine.log", env=hub, dtype="bfloat16")
+    engine = start_engine("org/tiny", tmp_path / "hub-engine.log", env=hub)
     try:
         fresh = engine.complete()
         root = tmp_path / "root"

@@ -24,10 +24,9 @@ import pytest
 
 from vllm_reloader.tools.demo import ENGINE_ENV, engine_command, free_port, stop_process
 
-# vLLM's AMX bfloat16 attention kernel crashes the worker on this CPU (first forward pass,
-# SIGSEGV in cpu_attention_with_kv_cache); float32 takes the AVX-512 path. Checkpoints
-# are bf16 on disk, so the fp32 engine holds exactly the same values either way.
-ENGINE_DTYPE = os.environ.get("VLLM_RELOADER_TEST_DTYPE", "float32")
+# bfloat16, as users serve: the tiny model's head_dim (48) keeps vLLM off its AMX bfloat16
+# attention kernel, which crashes the worker on this CPU (tools/tinymodel.py).
+ENGINE_DTYPE = os.environ.get("VLLM_RELOADER_TEST_DTYPE", "bfloat16")
 ENGINE_START_TIMEOUT = float(os.environ.get("VLLM_RELOADER_ENGINE_TIMEOUT", "400"))
 PROMPTS = ["w1 w2 w3 w4", "w10 w20 w30", "w100 w7 w42 w9 w3"]
 API_KEY = "e2e-key-4f1c"

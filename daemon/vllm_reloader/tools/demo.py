@@ -31,8 +31,8 @@ from ..errors import DemoError
 from .publish import publish
 
 PROMPT = "w1 w2 w3 w4"
-# See tests/engine_fixtures.py: vLLM's AMX bf16 kernel crashes on some CPUs; fp32 is safe.
-DTYPE = os.environ.get("VLLM_RELOADER_DEMO_DTYPE", "float32")
+# bfloat16, as users serve: the tiny model's head_dim keeps vLLM off its AMX kernel (tools/tinymodel.py).
+DTYPE = os.environ.get("VLLM_RELOADER_DEMO_DTYPE", "bfloat16")
 
 
 def engine_command(

@@ -1,8 +1,9 @@
 """Tiny random Llama checkpoints, generated locally: no model is ever downloaded.
 
-head_dim is 32 because vLLM's CPU attention rejects 16. Weights are saved in bfloat16, the
-dtype the engine serves, so a reloaded checkpoint and a freshly started engine hold
-bit-identical parameters.
+head_dim is 48: vLLM's CPU attention rejects 16, and takes its AMX bfloat16 kernel (which
+crashes the worker on the CPUs here) for multiples of 32; at 48 it takes the vector kernel,
+so the engine serves bfloat16 as users' engines do. Weights are saved in bfloat16, so a
+reloaded checkpoint and a freshly started engine hold bit-identical parameters.
 """
 
 from __future__ import annotations
@@ -26,10 +27,9 @@ def write_tokenizer(out: Path) -> None:
 
 
 def write_checkpoint(
-    out: Path, *, seed: int, hidden_size: int = 64, layers: int = 2, head_dim: int = 32
+    out: Path, *, seed: int, hidden_size: int = 96, layers: int = 2, head_dim: int = 48
 ) -> Path:
-    """Write a random Llama with its tokenizer into `out` (HF layout, safetensors). A head_dim
-    that is not a multiple of 32 (48) keeps vLLM's CPU attention off its AMX bfloat16 kernel."""
+    """Write a random Llama with its tokenizer into `out` (HF layout, safetensors)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
