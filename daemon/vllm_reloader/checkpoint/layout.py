@@ -11,13 +11,12 @@ are read bit for bit and must match exactly. It is read from safetensors headers
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import LayoutUnreadable
-from .files import Header, is_top_level_shard, parse_json, read_small, tensors_of
+from .files import Header, is_top_level_shard, parse_json, read_small, tensors_of, through_links
 
 # The fields of config.json that fix the model's structure. Others (rope scaling, token
 # ids, dtype) either show up in the tensor shapes or are not reloaded by the engine at all.
@@ -57,7 +56,7 @@ def from_headers(headers: Iterable[Header], arch: Mapping[str, object]) -> Layou
 def read_arch(directory: Path, *, follow_symlinks: bool = False) -> dict[str, object]:
     path = directory / "config.json"
     try:
-        data = read_small(Path(os.path.realpath(path)) if follow_symlinks else path)
+        data = read_small(through_links(path, trusted=follow_symlinks))
     except FileNotFoundError:
         return {}
     try:
@@ -88,7 +87,7 @@ def read_served_layout(directory: Path) -> Layout:
         raise LayoutUnreadable(f"{directory}: no .safetensors files")
     tensors: dict[str, TensorSpec] = {}
     for path in files:
-        tensors.update(read_header(Path(os.path.realpath(path))))
+        tensors.update(read_header(through_links(path, trusted=True)))
     return Layout(tensors=tensors, arch=read_arch(directory, follow_symlinks=True))
 
 

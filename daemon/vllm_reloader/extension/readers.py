@@ -45,6 +45,7 @@ from ..checkpoint.files import (
     open_regular,
     read_exactly,
     read_small,
+    through_links,
     weights_from_index,
 )
 
@@ -78,7 +79,7 @@ def weight_names(directory: Path, listed: Iterable[str] | None) -> list[str]:
     top-level shards whatever it says (vLLM would follow an absolute path)."""
     present = sorted(p.name for p in directory.iterdir() if is_top_level_shard(p.name))
     try:
-        names = weights_from_index(read_small(_where(directory / INDEX_NAME, trusted=listed is None)))
+        names = weights_from_index(read_small(through_links(directory / INDEX_NAME, trusted=listed is None)))
     except FileNotFoundError:
         names = present
     if isinstance(names, str):
@@ -94,13 +95,6 @@ def weight_names(directory: Path, listed: Iterable[str] | None) -> list[str]:
     return sorted(names)
 
 
-def _where(path: Path, *, trusted: bool) -> Path:
-    """A verified checkpoint's file is read only as itself; the engine's own startup model
-    (no identities: nothing a writer made) may link its files elsewhere, as a Hugging Face
-    cache snapshot links every file to its blob."""
-    return Path(os.path.realpath(path)) if trusted else path
-
-
 @dataclass
 class Checkpoint:
     """The shards of one checkpoint, each open once, with the identity it had when opened."""
@@ -109,7 +103,7 @@ class Checkpoint:
     opened: dict[str, tuple[int, Identity]] = field(default_factory=dict)
 
     def open(self, name: str, expected: Sequence[int] | None) -> int:
-        fd = open_regular(_where(self.directory / name, trusted=expected is None))
+        fd = open_regular(through_links(self.directory / name, trusted=expected is None))
         found = identity(os.fstat(fd))
         self.opened[name] = (fd, found)
         if expected is not None and found != tuple(expected):
