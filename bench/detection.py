@@ -82,8 +82,8 @@ def _daemon(base: Path, runs: int, polling: bool, interval: float) -> list[float
     structlog.configure(logger_factory=structlog.ReturnLoggerFactory())  # quiet
     daemon = Daemon(cfg, client=engine.client())
     submitted: queue.SimpleQueue[tuple[str, float]] = queue.SimpleQueue()
-    submit = daemon.reloader.worker.submit
-    daemon.reloader.worker.submit = lambda job: (  # type: ignore[method-assign]
+    submit = daemon.reloader.canary.worker.submit
+    daemon.reloader.canary.worker.submit = lambda job: (  # type: ignore[method-assign]
         submitted.put((job.candidate.name, time.perf_counter())),
         submit(job),
     )[-1]

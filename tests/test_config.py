@@ -57,7 +57,7 @@ def test_config_example_file_is_valid_and_matches_defaults():
 
     example = Path(__file__).parent.parent / "config" / "vllm-reloader.toml"
     parsed = config.load(example)
-    required = {"source": {"path"}, "engine": {"url"}, "state": {"dir"}}
+    required = {"source": {"path"}, "engine": {"url", "urls"}, "state": {"dir"}}
     for section_name, section in parsed:
         default = type(section).model_construct()
         for key in type(section).model_fields:

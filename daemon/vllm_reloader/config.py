@@ -12,9 +12,17 @@ import stat
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from .errors import ConfigError
 
@@ -91,6 +99,12 @@ class GateConfig(_Section):
 
 class EngineConfig(_Section):
     url: str
+    """The engine, or with `urls` the first of them: the canary engine."""
+    urls: tuple[str, ...] = ()
+    """Several engines on this host (instead of `url`): one gate, then a rolling update, the
+    first engine first (the canary engine), at most `max_unavailable` paused at a time."""
+    max_unavailable: int = Field(1, ge=1)
+    """Engines paused or reloading at the same moment."""
     pause_mode: Literal["keep", "wait", "abort"] = "keep"
     strategy: Literal["inplace", "sleep", "auto"] = "auto"
     """`sleep` wraps the reload in sleep level 2 / wake_up (engines with --enable-sleep-mode);
@@ -127,12 +141,43 @@ class EngineConfig(_Section):
             raise ValueError(f"not allowed in the config file; use engine.api_key_file or {API_KEY_ENV}")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _url_or_urls(cls, data: Any) -> Any:
+        """`url` for one engine, `urls` for several: one of the two; `url` becomes the first."""
+        if not isinstance(data, dict) or "urls" not in data:
+            return data
+        if "url" in data:
+            raise ValueError("set url (one engine) or urls (several), not both")
+        urls = data["urls"]
+        if not isinstance(urls, list | tuple) or not urls:
+            raise ValueError("urls: must be a non-empty list of engine URLs")
+        return {**data, "url": urls[0], "urls": tuple(urls)}
+
     @field_validator("url")
     @classmethod
     def _http_url(cls, value: str) -> str:
-        if not value.startswith(("http://", "https://")):
-            raise ValueError("must start with http:// or https://")
-        return value.rstrip("/")
+        return _engine_url(value)
+
+    @field_validator("urls")
+    @classmethod
+    def _http_urls(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        urls = tuple(_engine_url(url) for url in value)
+        if len(set(urls)) != len(urls):
+            raise ValueError("an engine is listed twice")
+        return urls
+
+    @model_validator(mode="after")
+    def _one_list(self) -> EngineConfig:
+        if not self.urls:  # `url` alone: a list of one, so the daemon has one code path
+            object.__setattr__(self, "urls", (self.url,))
+        return self
+
+
+def _engine_url(value: str) -> str:
+    if not value.startswith(("http://", "https://")):
+        raise ValueError(f"{value!r} must start with http:// or https://")
+    return value.rstrip("/")
 
 
 class CanaryConfig(_Section):

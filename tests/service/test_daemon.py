@@ -198,7 +198,7 @@ def test_daemon_rolls_back_a_checkpoint_whose_canary_fails(start, root, tmp_path
     running.wait_for("reload.succeeded", version="step-3")
     assert engine.calls.count(f"reload:{root / 'step-2'}") == 1, "a rejected version is not retried"
     metrics = running.daemon.reloader.metrics
-    assert metrics.rollbacks.labels(cause="canary")._value.get() == 1
+    assert metrics.rollbacks.labels(cause="canary", engine="http://engine.test")._value.get() == 1
 
 
 def test_daemon_with_canary_off_does_not_probe(start, root, make_checkpoint):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
@@ -30,14 +31,15 @@ def test_metrics_count_reloads_rejections_and_engine_state(service, make_checkpo
     make_checkpoint("step-3", step=3, root=root, shapes={**TENSORS, "lm_head.weight": (17, 8)})
     daemon.wait_for("checkpoint.rejected", name="step-3")
     url = f"http://127.0.0.1:{port}/metrics"
+    engine = 'engine="' + re.search(r'url = "([^"]+)"', config.read_text())[1] + '"'  # type: ignore[index]
     deadline = time.monotonic() + 5
     while (values := scrape(url)).get('vllm_reloader_rejected_total{check="layout"}') != 1.0:
         assert time.monotonic() < deadline, values
         time.sleep(0.05)
-    assert values['vllm_reloader_reloads_total{result="succeeded"}'] == 1.0
-    assert values["vllm_reloader_serving_step"] == 2.0
-    assert values["vllm_reloader_engine_up"] == 1.0
-    assert values["vllm_reloader_reloaded_bytes_total"] > 0
-    assert values["vllm_reloader_reload_duration_seconds_count"] == 1.0
+    assert values["vllm_reloader_reloads_total{" + engine + ',result="succeeded"}'] == 1.0
+    assert values["vllm_reloader_serving_step{" + engine + "}"] == 2.0
+    assert values["vllm_reloader_engine_up{" + engine + "}"] == 1.0
+    assert values["vllm_reloader_reloaded_bytes_total{" + engine + "}"] > 0
+    assert values["vllm_reloader_reload_duration_seconds_count{" + engine + "}"] == 1.0
     assert values["vllm_reloader_detection_lag_seconds_count"] == 1.0
     assert daemon.stop() == 0

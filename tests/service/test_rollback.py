@@ -64,7 +64,9 @@ def test_rollback_with_nothing_intact_says_so_and_keeps_following_new_checkpoint
     assert set(none_left["passed_over"]) == {"step-2", "default"}
     running.wait_for("reload.canary_failed_no_fallback", version="step-3")
     assert status_of(running)["rollback"] is None
-    assert running.daemon.reloader.metrics.rollback_ready._value.get() == 0
+    assert (
+        running.daemon.reloader.metrics.rollback_ready.labels(engine="http://engine.test")._value.get() == 0
+    )
     make_checkpoint("step-4", step=4, root=root, seed=4)
     running.wait_for("reload.succeeded", version="step-4")
     assert status_of(running)["rollback"] == "step-4"

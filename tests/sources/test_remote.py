@@ -450,7 +450,7 @@ def test_retention_never_deletes_a_downloaded_checkpoint_waiting_to_load(tmp_pat
         engine=config.EngineConfig(url="http://engine.test"),
         state=config.StateConfig(dir=tmp_path / "state", keep=0),
     )
-    reloader = Reloader(cfg, FakeEngine().client(), lambda _message: None)
+    reloader = Reloader(cfg, lambda _message: None, {"http://engine.test": FakeEngine().client()})
     for step in (1, 2, 3):
         make_checkpoint(f"step-{step}", step=step, root=cfg.checkpoint_root)
     for name in ("step-1", "step-2", "step-3"):
@@ -459,7 +459,7 @@ def test_retention_never_deletes_a_downloaded_checkpoint_waiting_to_load(tmp_pat
     serving = Loaded(
         name="step-2", version="step-2", path=str(cfg.checkpoint_root / "step-2"), since=0, step=2
     )
-    reloader.set_serving(serving, good=serving)
+    reloader.set_serving(reloader.canary, serving, good=serving)
     reloader.prune_cache()
     assert sorted(p.name for p in cfg.checkpoint_root.iterdir()) == ["step-2", "step-3"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -13,6 +13,12 @@ import structlog
 from tests.support.fake_engine import FakeEngine
 from vllm_reloader import config
 from vllm_reloader.service.daemon import Daemon
+
+ENGINE_URL = "http://engine.test"
+
+
+def follower_url(index: int) -> str:
+    return f"http://engine{index + 2}.test"
 
 
 class Running:
@@ -46,12 +52,17 @@ def start(tmp_path: Path, root: Path) -> Iterator[Callable[..., Running]]:
         engine_check_interval: float = 5.0,
         canary: config.CanaryConfig | None = None,
         baseline: Path | None = None,
+        followers: Sequence[FakeEngine] = (),
+        max_unavailable: int = 1,
         **source: object,
     ) -> Running:
+        """`followers`: more engines on the host, at `follower_url(i)`."""
+        urls = [ENGINE_URL, *(follower_url(i) for i in range(len(followers)))]
         cfg = config.Config(
             source=config.SourceConfig(path=root, pending_recheck_interval=0.05, **source),  # type: ignore[arg-type]
             engine=config.EngineConfig(
-                url="http://engine.test",
+                urls=urls,
+                max_unavailable=max_unavailable,
                 retry_initial=0.05,
                 retry_max=0.2,
                 check_interval=engine_check_interval,
@@ -60,7 +71,9 @@ def start(tmp_path: Path, root: Path) -> Iterator[Callable[..., Running]]:
             state=config.StateConfig(dir=tmp_path / "state"),
             canary=canary or config.CanaryConfig(),
         )
-        daemon = Daemon(cfg, client=engine.client(retry_initial=0.05))
+        fakes = [engine, *followers]
+        clients = {url: fake.client(url, retry_initial=0.05) for url, fake in zip(urls, fakes, strict=True)}
+        daemon = Daemon(cfg, clients=clients)
         thread = threading.Thread(target=daemon.run, daemon=True)
         threads.append((daemon, thread))
         thread.start()

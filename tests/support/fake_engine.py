@@ -151,8 +151,8 @@ class FakeEngine:
             return f"changed while it was read: {problem}"
         return None
 
-    def client(self, **config: object) -> EngineClient:
-        cfg = EngineConfig(url="http://engine.test", **config)  # type: ignore[arg-type]
+    def client(self, url: str = "http://engine.test", **config: object) -> EngineClient:
+        cfg = EngineConfig(url=url, **config)  # type: ignore[arg-type]
         return EngineClient(cfg, transport=httpx.MockTransport(self.handle))
 
 

@@ -31,12 +31,20 @@ STARTUP_VERSION = "default"
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig, *, transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        url: str | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        """`url`: one of `config.urls` (default the first)."""
         self.config = config
+        self.url = url or config.url
         key = config.api_key.get_secret_value() if config.api_key else None
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._http = httpx.Client(
-            base_url=config.url, timeout=config.timeout, transport=transport, headers=headers
+            base_url=self.url, timeout=config.timeout, transport=transport, headers=headers
         )
 
     def close(self) -> None:

@@ -10,7 +10,7 @@ import os
 import stat
 import time
 import unicodedata
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence, Set
 from pathlib import Path
 
 from .. import log
@@ -128,16 +128,17 @@ class Catalog:
             for c in order.to_try(self.candidates, serving=serving_key, rejected=self.rejected_fingerprints())
         }
 
-    def prune_downloads(self, served: Served, in_flight: str | None, keep: int) -> None:
-        """Delete downloaded checkpoints but what serves, the last good one (nobody else
-        deletes from the cache, so it stays intact: enough to roll back to), the engine's
-        startup model, the one in flight, the pinned one, those that would load next, and
-        the `keep` newest others."""
-        protected = {loaded.name for loaded in (served.serving, served.last_good) if loaded is not None}
-        protected |= {name for name in (in_flight, self.pinned) if name}
-        if served.startup and Path(served.startup).parent == self.root:
-            protected.add(Path(served.startup).name)
-        protected |= self.newer_than(served.serving_key())
+    def prune_downloads(self, engines: Sequence[Served], in_flight: Set[str], keep: int) -> None:
+        """Delete downloaded checkpoints but what any engine serves, its last good one (nobody
+        else deletes from the cache, so it stays intact: enough to roll back to), its startup
+        model, those in flight, the pinned one, those that would load next, and the `keep`
+        newest others."""
+        protected = set(in_flight) | ({self.pinned} if self.pinned else set())
+        for served in engines:
+            protected |= {loaded.name for loaded in (served.serving, served.last_good) if loaded is not None}
+            if served.startup and Path(served.startup).parent == self.root:
+                protected.add(Path(served.startup).name)
+            protected |= self.newer_than(served.serving_key())
         for name in cache.prune(self.root, cache.to_prune(self.candidates, protected=protected, keep=keep)):
             self.forget(name)
             self.log.info("cache.pruned", name=name, kept=sorted(protected))

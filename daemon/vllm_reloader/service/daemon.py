@@ -15,6 +15,7 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -60,8 +61,10 @@ class Daemon:
         *,
         config_path: Path | None = None,
         client: EngineClient | None = None,
+        clients: Mapping[str, EngineClient] | None = None,
         notifier: Notifier | None = None,
     ) -> None:
+        """`client`: the (first) engine's client; `clients`: by URL, for several (tests)."""
         self.config = config
         self.config_path = config_path
         self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
@@ -69,7 +72,8 @@ class Daemon:
         self.log = log.get()
         self.notifier = notifier or Notifier()
         _make_root(config)
-        self.reloader = Reloader(config, client or EngineClient(config.engine), self.inbox.put)
+        made = {config.engine.url: client} if client else {}
+        self.reloader = Reloader(config, self.inbox.put, {**made, **(clients or {})})
         self.watcher = self._make_watcher(config)
         self.remote = self._make_remote(config)
         self.control = ControlServer(
@@ -125,7 +129,7 @@ class Daemon:
             "daemon.started",
             root=str(self.config.checkpoint_root),
             source=self.config.source.path,
-            engine=self.config.engine.url,
+            engines=list(self.config.engine.urls),
             detection="polling" if self.watcher.polling else "inotify",
         )
         try:
@@ -168,7 +172,7 @@ class Daemon:
             return
         if self.stopping_since is None:
             self.reloader.tick()
-        elif self.reloader.in_flight is None or time.monotonic() > self._stop_deadline():
+        elif not self.reloader.jobs() or time.monotonic() > self._stop_deadline():
             self.stop.set()
             return
         self._tell_systemd()
@@ -204,8 +208,8 @@ class Daemon:
             return False
         if self.remote and not self.remote.is_alive():
             return False
-        job = self.reloader.in_flight
-        return job is None or time.monotonic() - job.started < self._reload_budget()
+        now = time.monotonic()
+        return all(now - job.started < self._reload_budget() for job in self.reloader.jobs())
 
     def _reload_budget(self) -> float:
         engine = self.config.engine
@@ -250,8 +254,8 @@ class Daemon:
                 self.reloader.gated(message, act=self.stopping_since is None)
             case ReloadFinished(outcome):
                 self.reloader.finished(outcome)
-            case WarmedUp(seconds, problem):
-                self.log.info("engine.warmed", ms=round(seconds * 1000, 1), problem=problem)
+            case WarmedUp(seconds, problem, engine):
+                self.log.info("engine.warmed", ms=round(seconds * 1000, 1), problem=problem, engine=engine)
             case ControlRequest(request, reply):
                 if reply.claim():  # else its client was told it timed out: do nothing
                     reply.put(self._control(request))
@@ -280,11 +284,11 @@ class Daemon:
             self.notifier.stopping()
             if self.reloader.gating is not None:
                 self.reloader.gating.cancel.set()
-            job = self.reloader.in_flight
+            jobs = self.reloader.jobs()
             self.log.info(
                 "daemon.stopping",
                 signal=signal.Signals(signum).name,
-                waiting_for=job.target.version if job else None,
+                waiting_for=jobs[0].target.version if jobs else None,
             )
 
     def reload_config(self) -> None:

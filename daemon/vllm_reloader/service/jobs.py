@@ -77,13 +77,14 @@ class WarmUp:
 class WarmedUp:
     seconds: float
     problem: str | None
+    engine: str = ""
 
 
 class ReloadWorker:
-    def __init__(self, post: Callable[[Outcome | WarmedUp], None]) -> None:
+    def __init__(self, post: Callable[[Outcome | WarmedUp], None], name: str = "reload-worker") -> None:
         self._post = post
         self._jobs: queue.SimpleQueue[Job | WarmUp | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="reload-worker", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -103,7 +104,7 @@ class ReloadWorker:
             started = time.perf_counter()
             if isinstance(job, WarmUp):
                 problem = canary.probe(job.client, job.canary)
-                self._post(WarmedUp(time.perf_counter() - started, problem))
+                self._post(WarmedUp(time.perf_counter() - started, problem, job.client.url))
                 continue
             try:
                 outcome = self._one(job, started)

@@ -1,7 +1,8 @@
 """Prometheus metrics, served from `[metrics] listen` (off by default).
 
 A registry of its own, so nothing else in the process leaks into the scrape and tests can
-make as many as they like. Updated only from the main loop.
+make as many as they like. Updated only from the main loop. What is one engine's carries an
+`engine` label (its URL): a host may run several.
 """
 
 from __future__ import annotations
@@ -17,12 +18,20 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.reloads = Counter("vllm_reloader_reloads", "Reloads by result", ["result"], registry=r)
+        self.reloads = Counter("vllm_reloader_reloads", "Reloads by result", ["result", "engine"], registry=r)
         self.reload_seconds = Histogram(
-            "vllm_reloader_reload_duration_seconds", "Pause to resume", buckets=DURATION_BUCKETS, registry=r
+            "vllm_reloader_reload_duration_seconds",
+            "Pause to resume",
+            ["engine"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
         )
-        self.bytes_reloaded = Counter("vllm_reloader_reloaded_bytes", "Bytes of weights reloaded", registry=r)
-        self.serving_step = Gauge("vllm_reloader_serving_step", "Step of the serving checkpoint", registry=r)
+        self.bytes_reloaded = Counter(
+            "vllm_reloader_reloaded_bytes", "Bytes of weights reloaded", ["engine"], registry=r
+        )
+        self.serving_step = Gauge(
+            "vllm_reloader_serving_step", "Step of the serving checkpoint", ["engine"], registry=r
+        )
         self.rejected = Counter(
             "vllm_reloader_rejected", "Checkpoints rejected, by the check that failed", ["check"], registry=r
         )
@@ -33,12 +42,16 @@ class Metrics:
             registry=r,
         )
         self.rollbacks = Counter(
-            "vllm_reloader_rollbacks", "Last good checkpoint loaded back, by cause", ["cause"], registry=r
+            "vllm_reloader_rollbacks",
+            "Last good checkpoint loaded back, by cause",
+            ["cause", "engine"],
+            registry=r,
         )
-        self.engine_up = Gauge("vllm_reloader_engine_up", "1 when the engine answers", registry=r)
+        self.engine_up = Gauge("vllm_reloader_engine_up", "1 when the engine answers", ["engine"], registry=r)
         self.rollback_ready = Gauge(
             "vllm_reloader_rollback_ready",
             "1 while an intact checkpoint to roll back to exists, 0 when none is left",
+            ["engine"],
             registry=r,
         )
 

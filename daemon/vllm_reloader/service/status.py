@@ -19,6 +19,32 @@ from .state import Loaded, Rejection
 
 
 @dataclass(frozen=True)
+class EngineView:
+    """One engine of the host, as `status` lists it."""
+
+    url: str
+    version: str | None
+    state: str
+    """serving, reloading, unreachable or behind (`rollout.state`)."""
+    reachable: bool
+    last_reload: Mapping[str, Any] | None = None
+    last_error: str | None = None
+    """Why the last reload here failed; it is retried in `retry_in_s`."""
+    retry_in_s: float | None = None
+
+    def answer(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "version": self.version,
+            "state": self.state,
+            "reachable": self.reachable,
+            "last_reload": dict(self.last_reload) if self.last_reload else None,
+            "last_error": self.last_error,
+            "retry_in_s": self.retry_in_s,
+        }
+
+
+@dataclass(frozen=True)
 class Snapshot:
     serving: Loaded | None
     last_good: Loaded | None
@@ -31,8 +57,8 @@ class Snapshot:
     pinned: str | None
     pending: Mapping[str, str]
     rejected: Mapping[str, Rejection]
-    engine_url: str
-    engine_reachable: bool
+    engines: tuple[EngineView, ...]
+    """Every engine, the canary engine first."""
     last_scan: float
     source_url: str | None = None
     """An object-store source; then `source_failing` says what fails now."""
@@ -40,7 +66,11 @@ class Snapshot:
 
 
 def snapshot_of(
-    served: Served, catalog: Catalog, in_flight: Job | None, gating: Gating | None, engine_url: str
+    served: Served,
+    catalog: Catalog,
+    in_flight: Job | None,
+    gating: Gating | None,
+    engines: tuple[EngineView, ...],
 ) -> Snapshot:
     """Taken on the main loop, from the objects that own the state."""
     return Snapshot(
@@ -55,8 +85,7 @@ def snapshot_of(
         pinned=catalog.pinned,
         pending=dict(sorted(catalog.pending.items())),
         rejected=dict(sorted(catalog.rejected.items())),
-        engine_url=engine_url,
-        engine_reachable=served.up,
+        engines=engines,
         last_scan=catalog.last_scan,
     )
 
@@ -87,7 +116,8 @@ def answer(snapshot: Snapshot) -> dict[str, Any]:
         "pinned": snapshot.pinned,
         "pending": dict(snapshot.pending),
         "rejected": {name: r.model_dump() for name, r in snapshot.rejected.items()},
-        "engine": {"url": snapshot.engine_url, "reachable": snapshot.engine_reachable},
+        "engine": {"url": snapshot.engines[0].url, "reachable": snapshot.engines[0].reachable},
+        "engines": [engine.answer() for engine in snapshot.engines],
     }
     if snapshot.source_url is not None:
         found["source"] = {"url": snapshot.source_url, "failing": dict(snapshot.source_failing)}
@@ -105,6 +135,9 @@ def line(snapshot: Snapshot) -> str:
     ]
     if snapshot.reloading is not None:
         parts.append(f"reloading {snapshot.reloading}")
+    if len(snapshot.engines) > 1:
+        serving_count = sum(e.state == "serving" for e in snapshot.engines)
+        parts.append(f"{serving_count}/{len(snapshot.engines)} engines serving")
     parts.append(f"{len(snapshot.pending)} pending")
     if snapshot.last_scan:
         parts.append(f"last scan {time.time() - snapshot.last_scan:.0f} s ago")
@@ -124,6 +157,15 @@ def _ago(timestamp: float) -> str:
     )
 
 
+def _engine_line(engine: dict[str, Any]) -> str:
+    line = f"  {engine['url']}  {engine['version']}  {engine['state']}"
+    if last := engine.get("last_reload"):
+        line += f"  last {last['version']} {_ago(last['at'])} ago"
+    if engine.get("last_error"):
+        line += f"  FAILED: {engine['last_error']} (retry in {engine['retry_in_s']:.0f} s)"
+    return line
+
+
 def render(answer: dict[str, Any]) -> str:
     """The on-call view: one fact per line, reasons in full."""
     serving = answer.get("serving")
@@ -138,6 +180,9 @@ def render(answer: dict[str, Any]) -> str:
     lines.append(
         f"engine    {engine.get('url')}  {'reachable' if engine.get('reachable') else 'UNREACHABLE'}"
     )
+    engines = answer.get("engines", [])
+    if len(engines) > 1:
+        lines.extend(_engine_line(e) for e in engines)
     if answer.get("serving") and "rollback" in answer:
         back = answer["rollback"]
         lines.append(

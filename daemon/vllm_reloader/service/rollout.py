@@ -1,0 +1,80 @@
+"""The rolling update across the engines of one host, as pure functions of what each holds.
+
+The first engine is the canary engine: a new version is loaded there first and its canary
+run. Only a version that passed there (it is in that engine's history of good checkpoints)
+is what the other engines — the followers — converge on, at most `max_unavailable` engines
+paused or reloading at a time, and never backwards unless an operator pinned it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from ..checkpoint import order
+from .served import Served
+from .state import Loaded
+
+EngineState = Literal["serving", "reloading", "unreachable", "behind"]
+
+
+@dataclass(frozen=True)
+class Follower:
+    url: str
+    serving: Loaded | None
+    reconciled: bool
+    busy: bool
+    """A job (reload, canary, rollback) runs on it now."""
+    retry_at: float
+    """After a failed reload: not before this (monotonic)."""
+
+
+def wanted(canary: Served) -> Loaded | None:
+    """The version every engine converges on: what the canary engine serves, once it passed its
+    canary there. None while it is unknown (the canary engine down, a fresh start on the startup
+    model, a failed canary left loaded for want of a fallback)."""
+    serving = canary.serving
+    if serving is None or not canary.reconciled:
+        return None
+    passed = any((g.version, g.path) == (serving.version, serving.path) for g in canary.good)
+    return serving if passed else None
+
+
+def behind(serving: Loaded | None, want: Loaded | None, pinned: str | None) -> bool:
+    """Whether an engine serving `serving` should load `want`: a newer version, weights of unknown
+    mix, or the operator's pin — never an older version by itself."""
+    if want is None or (serving is not None and serving.version == want.version):
+        return False
+    if pinned is not None and pinned == want.name:
+        return True
+    want_key = order.order_key(want.name, want.step) if want.in_root else None
+    if want_key is None:
+        return False
+    have_key = order.order_key(serving.name, serving.step) if serving and serving.in_root else None
+    return have_key is None or want_key > have_key
+
+
+def next_to_load(
+    followers: Sequence[Follower], want: Loaded | None, pinned: str | None, room: int, now: float
+) -> list[str]:
+    """The followers to load `want` on now, in their configured order, at most `room` of them."""
+    picks: list[str] = []
+    for follower in followers:
+        if len(picks) >= room:
+            break
+        ready = follower.reconciled and not follower.busy and now >= follower.retry_at
+        if ready and behind(follower.serving, want, pinned):
+            picks.append(follower.url)
+    return picks
+
+
+def state(
+    *, up: bool, busy: bool, serving: Loaded | None, want: Loaded | None, pinned: str | None
+) -> EngineState:
+    """What `status` says of one engine."""
+    if busy:
+        return "reloading"
+    if not up:
+        return "unreachable"
+    return "behind" if behind(serving, want, pinned) else "serving"

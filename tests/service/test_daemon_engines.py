@@ -1,0 +1,144 @@
+"""Several engines on one host, against scripted engines (faults on demand); the real
+engines' rolling update is in tests/e2e/test_e2e_engines.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.support.checkpoints import TENSORS
+from tests.support.daemon_fixtures import ENGINE_URL, follower_url
+from tests.support.fake_engine import FakeEngine, error
+from vllm_reloader.service import status
+
+
+def two_engines(root, make_checkpoint) -> tuple[FakeEngine, FakeEngine]:  # type: ignore[no-untyped-def]
+    make_checkpoint("step-1", step=1, root=root)
+    first, second = FakeEngine(startup=str(root / "step-1")), FakeEngine(startup=str(root / "step-1"))
+    return first, second
+
+
+def never_both_paused(first: FakeEngine, second: FakeEngine) -> list[bool]:
+    """Record, during every load on either engine, whether the other one was paused too."""
+    both: list[bool] = []
+    first.during_load = lambda _path: both.append(second.paused)
+    second.during_load = lambda _path: both.append(first.paused)
+    return both
+
+
+def test_engines_roll_a_checkpoint_through_canary_engine_first_one_at_a_time(start, root, make_checkpoint):
+    first, second = two_engines(root, make_checkpoint)
+    both = never_both_paused(first, second)
+    running = start(first, followers=[second])
+    running.wait_for("engine.reconciled", engine=follower_url(0))
+    make_checkpoint("step-2", step=2, root=root, seed=2)
+    canary_done = running.wait_for("reload.succeeded", version="step-2", engine=ENGINE_URL)
+    follower_done = running.wait_for("reload.succeeded", version="step-2", engine=follower_url(0))
+    assert running.logs.index(canary_done) < running.logs.index(follower_done)
+    assert len(running.events("checkpoint.ready", name="step-2")) == 1, "one gate for both engines"
+    assert first.version == second.version == "step-2"
+    assert both == [False, False], "never both paused"
+    views = status.answer(running.daemon.snapshot())["engines"]
+    assert [(v["url"], v["version"], v["state"]) for v in views] == [
+        (ENGINE_URL, "step-2", "serving"),
+        (follower_url(0), "step-2", "serving"),
+    ]
+
+
+def test_engines_with_max_unavailable_two_reload_followers_together(start, root, make_checkpoint):
+    make_checkpoint("step-1", step=1, root=root)
+    engines = [FakeEngine(startup=str(root / "step-1")) for _ in range(3)]
+    paused_at_once: list[int] = []
+    for engine in engines:
+        engine.during_load = lambda _path: (
+            paused_at_once.append(sum(e.paused for e in engines)),
+            time.sleep(0.2),
+        )
+    running = start(engines[0], followers=engines[1:], max_unavailable=2)
+    running.wait_for("engine.reconciled", engine=follower_url(1))
+    make_checkpoint("step-2", step=2, root=root, seed=2)
+    for url in (follower_url(0), follower_url(1)):
+        running.wait_for("reload.succeeded", version="step-2", engine=url)
+    assert max(paused_at_once) == 2 and paused_at_once[0] == 1, "canary engine alone, then two followers"
+
+
+def test_engines_canary_failure_rolls_back_the_first_and_never_reaches_the_others(
+    start, root, make_checkpoint
+):
+    first, second = two_engines(root, make_checkpoint)
+    first.garbage.add(str(root / "step-2"))
+    second.garbage.add(str(root / "step-2"))
+    running = start(first, followers=[second])
+    running.wait_for("engine.reconciled", engine=follower_url(0))
+    make_checkpoint("step-2", step=2, root=root, seed=2)
+    running.wait_for("reload.rolled_back", version="step-2", engine=ENGINE_URL)
+    running.wait_for("checkpoint.rejected", name="step-2")
+    make_checkpoint("step-3", step=3, root=root, seed=3)
+    running.wait_for("reload.succeeded", version="step-3", engine=follower_url(0))
+    assert f"reload:{root / 'step-2'}" not in second.calls
+    assert first.version == second.version == "step-3"
+
+
+def test_engines_bring_a_restarted_follower_back_without_pausing_the_canary_engine(
+    start, root, make_checkpoint
+):
+    first, second = two_engines(root, make_checkpoint)
+    running = start(first, followers=[second], engine_check_interval=0.1)
+    make_checkpoint("step-2", step=2, root=root, seed=2)
+    running.wait_for("reload.succeeded", version="step-2", engine=follower_url(0))
+    first_calls = len(first.calls)
+    second.version, second.loaded = "default", second.startup  # restarted on its startup model
+    running.wait_for("engine.changed", engine=follower_url(0))
+    running.wait_for("engine.behind", engine=follower_url(0), version="step-2")
+    back = running.wait_for("reload.started", engine=follower_url(0), from_version="step-1")
+    assert back["version"] == "step-2"
+    deadline = time.monotonic() + 10
+    while len(running.events("reload.succeeded", engine=follower_url(0))) < 2:
+        assert time.monotonic() < deadline, "the follower was not brought back"
+        time.sleep(0.02)
+    assert second.version == "step-2"
+    assert "/pause" not in first.calls[first_calls:], "the canary engine kept serving"
+
+
+def test_engines_retry_a_failed_follower_reload_with_backoff_and_blame_no_checkpoint(
+    start, root, make_checkpoint
+):
+    first, second = two_engines(root, make_checkpoint)
+    second.fail[f"reload:{root / 'step-2'}"] = error(500, "out of memory")
+    running = start(first, followers=[second])
+    running.wait_for("engine.reconciled", engine=follower_url(0))
+    make_checkpoint("step-2", step=2, root=root, seed=2)
+    retry = running.wait_for("engine.retry", engine=follower_url(0))
+    assert "out of memory" in retry["reason"] and retry["retry_in_s"] > 0
+    view = status.answer(running.daemon.snapshot())["engines"][1]
+    assert view["state"] == "behind" and "out of memory" in view["last_error"]
+    assert not running.events("checkpoint.rejected"), "it passed on the canary engine"
+    del second.fail[f"reload:{root / 'step-2'}"]
+    running.wait_for("reload.succeeded", version="step-2", engine=follower_url(0), timeout=15)
+    assert second.version == "step-2"
+    assert status.answer(running.daemon.snapshot())["engines"][1]["last_error"] is None
+
+
+def test_engines_of_different_layouts_are_refused_at_start(start, root, make_checkpoint, tmp_path):
+    make_checkpoint("step-1", step=1, root=root)
+    other = make_checkpoint("other", root=tmp_path / "models", shapes={**TENSORS, "lm_head.weight": (17, 8)})
+    first, second = FakeEngine(startup=str(root / "step-1")), FakeEngine(startup=str(other))
+    running = start(first, followers=[second])
+    failed = running.wait_for("daemon.not_runnable")
+    assert follower_url(0) in failed["reason"] and "layout differs" in failed["reason"]
+    assert running.daemon.exit_code == 2
+
+
+@pytest.mark.parametrize("down", [0, 1])
+def test_engines_one_unreachable_engine_does_not_stop_the_other(start, root, make_checkpoint, down):
+    first, second = two_engines(root, make_checkpoint)
+    engines = (first, second)
+    running = start(first, followers=[second])
+    running.wait_for("engine.reconciled", engine=follower_url(0))
+    engines[down].fail["/weight_info"] = error(503, "down")
+    engines[down].fail["/server_info"] = error(503, "down")
+    running.daemon.reloader.check_now()
+    running.wait_for("engine.error", engine=(ENGINE_URL, follower_url(0))[down])
+    line = status.line(running.daemon.snapshot())
+    assert "1/2 engines serving" in line
