@@ -8,6 +8,7 @@ the key (`source.path: field required`), which the CLI prints and exits 2 on.
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import tomllib
 from collections.abc import Mapping
@@ -242,6 +243,24 @@ class MetricsConfig(_Section):
         return value
 
 
+class RolloutConfig(_Section):
+    """A fleet of hosts following one object-store prefix (`sources.verdicts`)."""
+
+    role: Literal["canary", "follow"] = "canary"
+    """`canary`: load a version as soon as it is gated, and record its canary's verdict in the
+    store; `follow`: load only versions `min_canaries` canary hosts recorded as passed."""
+    min_canaries: int = Field(1, ge=1, le=1000)
+    host: str = Field(default_factory=socket.gethostname, min_length=1, max_length=255)
+    """This host's name in the records (default: the hostname)."""
+
+    @field_validator("host")
+    @classmethod
+    def _one_key_segment(cls, value: str) -> str:
+        if value.startswith(".") or not all(c.isascii() and (c.isalnum() or c in "._-") for c in value):
+            raise ValueError(f"{value!r}: letters, digits, '.', '_' and '-' only, not starting with '.'")
+        return value
+
+
 class Config(_Section):
     source: SourceConfig
     engine: EngineConfig
@@ -251,6 +270,16 @@ class Config(_Section):
     log: LogConfig = LogConfig()
     control: ControlConfig = ControlConfig()
     metrics: MetricsConfig = MetricsConfig()
+    rollout: RolloutConfig = RolloutConfig()
+
+    @model_validator(mode="after")
+    def _followers_need_a_store(self) -> Config:
+        if self.rollout.role == "follow" and not self.source.remote:
+            raise ValueError(
+                "rollout.role = follow needs an object-store source.path (s3://, gs://, az://): "
+                "the canary hosts' verdicts are read from it"
+            )
+        return self
 
     @property
     def control_socket(self) -> Path:

@@ -23,8 +23,9 @@ from vllm_reloader.checkpoint.manifest import parse
 from vllm_reloader.service.control import Reply
 from vllm_reloader.service.daemon import Daemon
 from vllm_reloader.service.messages import ControlRequest
+from vllm_reloader.sources.listing import BucketListing, judge
 from vllm_reloader.sources.objstore import Object, Store
-from vllm_reloader.sources.remote import BucketListing, Downloaded, Rejected, RemoteSource, judge
+from vllm_reloader.sources.remote import Downloaded, Rejected, RemoteSource
 
 
 class Harness:

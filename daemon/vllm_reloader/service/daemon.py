@@ -26,6 +26,7 @@ from ..engine.client import EngineClient
 from ..errors import ConfigError
 from ..sources import local
 from ..sources.remote import RemoteSource
+from ..sources.verdicts import Verdict
 from . import status
 from .control import ControlServer, Request
 from .messages import (
@@ -73,7 +74,7 @@ class Daemon:
         self.notifier = notifier or Notifier()
         _make_root(config)
         made = {config.engine.url: client} if client else {}
-        self.reloader = Reloader(config, self.inbox.put, {**made, **(clients or {})})
+        self.reloader = Reloader(config, self.inbox.put, {**made, **(clients or {})}, self._verdict)
         self.watcher = self._make_watcher(config)
         self.remote = self._make_remote(config)
         self.control = ControlServer(
@@ -104,6 +105,11 @@ class Daemon:
             post=self.inbox.put,
             verified_files=self.reloader.gater.cache,
         )
+
+    def _verdict(self, verdict: Verdict) -> None:
+        """A canary host tells the fleet (the object-store thread writes the record)."""
+        if self.remote is not None and self.config.rollout.role == "canary":
+            self.remote.record(verdict)
 
     # -- edges: called from other threads or signal handlers; they only enqueue ------------
 
@@ -308,7 +314,7 @@ class Daemon:
             new = new.model_copy(update={"log": new.log.model_copy(update={"priority_prefix": True})})
         if new.log != old.log:
             log.configure(new.log.level, new.log.format, priority_prefix=new.log.priority_prefix)
-        if new.source != old.source or new.state != old.state:
+        if new.source != old.source or new.state != old.state or new.rollout != old.rollout:
             try:
                 remote = self._make_remote(new)
             except ConfigError as exc:

@@ -21,6 +21,7 @@ from .. import failpoints, log
 from ..checkpoint import gate, order
 from ..config import Config
 from ..engine.client import RELOADING_PREFIX, STARTUP_VERSION, EngineClient
+from ..sources.verdicts import Verdict
 from . import outcomes, rollback, rollout, status
 from .catalog import Catalog, detection_lag_ms
 from .engines import Engine, Engines
@@ -48,8 +49,12 @@ class Reloader:
         config: Config,
         post: Callable[[ReloadFinished | GateFinished | WarmedUp], None],
         clients: Mapping[str, EngineClient] | None = None,
+        on_verdict: Callable[[Verdict], None] | None = None,
     ) -> None:
+        """`on_verdict`: told what the canary engine made of each new version (a canary host
+        records it for the fleet)."""
         self.config = config
+        self.on_verdict = on_verdict
         self.log = log.get()
         self.state_file = StateFile(config.state.dir, self.log)
         saved = self.state_file.saved
@@ -175,7 +180,17 @@ class Reloader:
         decision = outcomes.decide(outcome, now=time.time())
         if engine is not self.canary:
             decision = engine.as_follower(decision, self.config.engine)
+        elif self.on_verdict is not None and outcome.job.candidate.fingerprint:  # not a restore
+            self._verdict(outcome.job, decision)
         self._apply(engine, decision)
+
+    def _verdict(self, job: Job, decision: outcomes.Decision) -> None:
+        assert self.on_verdict is not None
+        name, version = job.candidate.name, job.target.version
+        if decision.result == "succeeded":
+            self.on_verdict(Verdict(name, version, True, None if job.canary.enabled else "canary disabled"))
+        elif decision.reject is not None:  # its canary, or its reload, failed here
+            self.on_verdict(Verdict(name, version, False, decision.reject.reason))
 
     def _apply(self, engine: Engine, decision: outcomes.Decision) -> None:
         served, labels = engine.served, {"engine": engine.url}

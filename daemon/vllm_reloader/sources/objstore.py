@@ -146,12 +146,25 @@ class Store:
 
     def put(self, key: str, data: bytes | Path, *, create_only: bool = False) -> None:
         """Upload one object; `create_only` sends `If-None-Match: *` (never overwrite)."""
+        if create_only:
+            if not self.create(key, data):
+                raise PublishError(f"{self.url}/{key} already exists; versions are never overwritten")
+            return
         try:
-            obstore.put(self._store, key, data, mode="create" if create_only else "overwrite")
-        except AlreadyExistsError as exc:
-            raise PublishError(f"{self.url}/{key} already exists; versions are never overwritten") from exc
+            obstore.put(self._store, key, data, mode="overwrite")
         except (BaseError, OSError) as exc:
             raise self._fail("PUT", key, exc) from exc
+
+    def create(self, key: str, data: bytes | Path) -> bool:
+        """Upload one object only if none is there (`If-None-Match: *`, decided by the store
+        itself, so two writers racing cannot both win); False when one was."""
+        try:
+            obstore.put(self._store, key, data, mode="create")
+        except AlreadyExistsError:
+            return False
+        except (BaseError, OSError) as exc:
+            raise self._fail("PUT", key, exc) from exc
+        return True
 
 
 def _object(meta: Any) -> Object:

@@ -23,20 +23,21 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .. import log
 from ..checkpoint import completeness, order, verified
-from ..checkpoint.completeness import DirectoryListing, Entry, Incomplete, Listed
+from ..checkpoint.completeness import DirectoryListing, Incomplete, Listed
 from ..checkpoint.files import RACY_NS, SINGLE_NAME, identity, size_from_header
 from ..checkpoint.manifest import MANIFEST_NAME, Manifest, path_problem
 from ..checkpoint.manifest import parse as parse_manifest
 from ..config import Config
 from ..errors import Cancelled, DownloadError, ManifestInvalid, NotJSONYet, SourceError
-from . import local
+from . import local, verdicts
 from .download import Fetched, Plan, fetch
+from .listing import BucketListing, judge
 from .objstore import Object, Store
 
 
@@ -76,42 +77,6 @@ class Seen:
         return self.candidate.fingerprint
 
 
-class BucketListing:
-    """One checkpoint's objects, as `completeness.describe` reads a checkpoint."""
-
-    def __init__(
-        self,
-        objects: Mapping[str, Object],
-        completing: Mapping[str, bytes],
-        header_size: Callable[[str, Object], int | None],
-    ) -> None:
-        self.objects, self.completing, self.header_size = objects, completing, header_size
-
-    def top(self) -> Mapping[str, Entry]:
-        return {k: Entry(o.size, o.modified) for k, o in self.objects.items() if "/" not in k}
-
-    def entry(self, path: str) -> Entry | None:
-        found = self.objects.get(path)
-        return None if found is None else Entry(found.size, found.modified)
-
-    def whole(self, name: str) -> bytes:
-        return self.completing[name]
-
-    def shard_size(self, name: str) -> int | None:
-        return self.header_size(name, self.objects[name])
-
-    def last_change(self) -> float:
-        return max((o.modified for k, o in self.objects.items() if "/" not in k), default=0.0)
-
-
-def judge(listed: Listed, listing: BucketListing) -> Incomplete | None:
-    """pending / rejected from the manifest and the listing alone; None: download it."""
-    if problem := path_problem(listed.manifest):
-        return Incomplete("rejected", problem, listed.fingerprint, "paths")
-    found = completeness.check_files(listing, listed.manifest)
-    return None if found is None else replace(found, fingerprint=listed.fingerprint)
-
-
 class RemoteSource:
     """Polls `[source] path` and downloads into `config.checkpoint_root`."""
 
@@ -148,6 +113,9 @@ class RemoteSource:
         """Checkpoints whose listing hit a key obstore cannot represent (logged once each)."""
         self.problems: dict[str, str] = {}
         """What is failing now, by kind ("source", "download"): each is logged once, not per poll."""
+        self.fleet = verdicts.Fleet(self.store, config.rollout, self.log)
+        self.wake = threading.Event()
+        """Set to poll (and write verdicts) now rather than at the next interval."""
         self._thread = threading.Thread(target=self._run, name="remote-source", daemon=True)
 
     @property
@@ -162,18 +130,43 @@ class RemoteSource:
 
     def close(self, timeout: float = 10.0) -> None:
         self.stop.set()
+        self.wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
     def _run(self) -> None:
         try:
             while not self.stop.is_set():
+                try:
+                    self.fleet.write_queued()
+                except SourceError as exc:
+                    self._report("source", str(exc), retry_in_s=self.config.source.interval)
                 self.poll()
-                self.stop.wait(self.config.source.interval)
+                self.wake.wait(self.config.source.interval)
+                self.wake.clear()
         except Exception:
             # A bug, not a store failure: say so; the watchdog pings stop and systemd restarts us.
             self.log.exception("source.crashed", source=self.config.source.path)
             raise
+
+    def record(self, verdict: verdicts.Verdict) -> None:
+        """A canary host's verdict on a version, written by this thread (called from the loop)."""
+        self.fleet.queued.put(verdict)
+        self.wake.set()
+
+    def _cleared(self, name: str, records: Mapping[str, Object], seen: Seen, waiting: dict[str, str]) -> bool:
+        """A follower: whether the canary hosts' records let this version load (else it waits,
+        or is rejected when one failed it)."""
+        if self.config.rollout.role != "follow":
+            return True
+        status, why = self.fleet.clearance(name, records)
+        if status == "failed":
+            self._reject(name, None, Incomplete("rejected", why, seen.fingerprint, "canary"))
+        elif status == "waiting":
+            waiting[name] = why
+            if self.pending.get(name) != why:
+                self.log.info("checkpoint.pending", name=name, reason=why, remote=True)
+        return status == "cleared"
 
     def _report(self, kind: str, reason: str, **fields: Any) -> None:
         if self.problems.get(kind) != reason:
@@ -189,10 +182,11 @@ class RemoteSource:
         try:
             listing, unlisted = self.store.list()
             by_name: dict[str, dict[str, Object]] = {}
+            records: dict[str, dict[str, Object]] = {}
             for key, found in listing.items():
                 name, _, rest = key.partition("/")
                 if rest and not local.is_ignored(name, self.config.source.ignore):
-                    by_name.setdefault(name, {})[rest] = found
+                    (records if verdicts.is_record(rest) else by_name).setdefault(name, {})[rest] = found
             for name, problem in unlisted.items():
                 if not local.is_ignored(name, self.config.source.ignore):
                     by_name[name] = self._objects_by_head(name, problem)
@@ -207,12 +201,14 @@ class RemoteSource:
             name: seen.candidate for name, seen in self.seen.items() if placed.get(name) != seen.fingerprint
         }
         rejected = {**self.rejected(), **self.rejected_here}
-        waiting = {}
+        waiting: dict[str, str] = {}
         for candidate in order.to_try(candidates, serving=self.serving(), rejected=rejected):
             name = candidate.name
             seen = self.seen[name]
             bucket = self._listing(name, by_name[name], seen.signal, seen.data)
             try:
+                if not self._cleared(name, records.get(name, {}), seen, waiting):
+                    continue
                 listed = completeness.describe(bucket, self.convention, time.time())
             except SourceError as exc:
                 self._report("source", str(exc), retry_in_s=self.config.source.interval)

@@ -1,0 +1,99 @@
+"""A fleet following one object-store prefix (moto's S3 server on loopback): a canary host
+(the session's real engine, its daemon with `role = "canary"`) and a follower host (a scripted
+engine behind a real socket, its daemon with `role = "follow"`), each daemon a real
+subprocess. The follower waits for the canary's record, then loads; a version the canary
+failed never reaches it."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_e2e_engines import exploding
+from tests.support.e2e_world import World, _steps
+from tests.support.engine_fixtures import DaemonProcess
+from tests.support.fake_engine import FakeEngine, FakeEngineServer
+from tests.support.store_fixtures import Bucket
+
+pytestmark = pytest.mark.engine
+
+
+def fleet_config(path: Path, bucket: Bucket, engine_url: str, state: Path, rollout: str) -> Path:
+    path.write_text(
+        f'[source]\npath = "{bucket.url}"\npoll_interval = 0.2\npart_size = 65536\n'
+        f'[engine]\nurl = "{engine_url}"\nretry_initial = 0.2\n'
+        f'[state]\ndir = "{state}"\nmin_free_bytes = 0\n[log]\nformat = "json"\n[rollout]\n{rollout}\n'
+    )
+    return path
+
+
+def at(event: dict[str, object]) -> datetime:
+    return datetime.fromisoformat(str(event["timestamp"]))
+
+
+def test_e2e_fleet_follower_loads_only_what_a_canary_host_passed(
+    world: World, tmp_path: Path, bucket: Bucket
+):
+    """It stops the world's daemon first (one engine, one daemon), and starts it again after."""
+    from vllm_reloader.tools.publish import publish_remote
+
+    assert world.daemon.stop() == 0
+    follower_engine = FakeEngine(startup=str(world.root / world.serving))
+    server = FakeEngineServer(follower_engine)
+    canary = follower = None
+    try:
+        canary_config = fleet_config(
+            tmp_path / "canary.toml",
+            bucket,
+            world.engine.url,
+            tmp_path / "canary",
+            'role = "canary"\nhost = "canary-1"',
+        )
+        follower_config = fleet_config(
+            tmp_path / "follower.toml",
+            bucket,
+            server.url,
+            tmp_path / "follower",
+            'role = "follow"\nmin_canaries = 1\nhost = "follower-1"',
+        )
+        follower = DaemonProcess(follower_config)
+        follower.wait_for("engine.reconciled")
+        good = f"step-{next(_steps)}"
+        publish_remote(world.staging / "seed-2", bucket.url, name=good, step=10**7)
+        waiting = follower.wait_for("checkpoint.pending", name=good)
+        assert "waiting for canary hosts: 0 of 1 passed" in str(waiting["reason"])
+        assert not follower.events("download.started", name=good)
+
+        canary = DaemonProcess(canary_config)
+        recorded = canary.wait_for("verdict.recorded", name=good, verdict="passed", timeout=120)
+        loaded = follower.wait_for("reload.succeeded", version=good, timeout=60)
+        assert at(follower.wait_for("download.started", name=good)) > at(recorded)
+        assert follower_engine.version == good and world.engine.weight_version() == good
+        record = json.loads(
+            bucket.client.get_object(Bucket=bucket.name, Key=f"runs/{good}/_verdicts/canary-1.json")[
+                "Body"
+            ].read()
+        )
+        assert record["verdict"] == "passed" and record["host"] == "canary-1" and record["version"] == good
+        assert loaded["bytes"] > 0
+
+        bad = f"step-{next(_steps)}"
+        exploding(world.staging / "seed-2", tmp_path / "bad")
+        publish_remote(tmp_path / "bad", bucket.url, name=bad, step=10**7 + 1)
+        canary.wait_for("reload.rolled_back", version=bad, timeout=120)
+        canary.wait_for("verdict.recorded", name=bad, verdict="failed")
+        rejected = follower.wait_for("checkpoint.rejected", name=bad, timeout=30)
+        assert rejected["check"] == "canary" and "canary host canary-1 failed it" in str(rejected["reason"])
+        assert not follower.events("download.started", name=bad)
+        assert not [call for call in follower_engine.calls if bad in call], "never loaded on the follower"
+        assert world.engine.weight_version() == good
+        world.serving, world.expected = good, world.engine.complete()
+    finally:
+        for daemon in (canary, follower):
+            if daemon is not None:
+                assert daemon.stop() == 0
+        server.close()
+        world.start_daemon()  # the engine back to the world's daemon, for the modules after
