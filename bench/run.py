@@ -5,7 +5,8 @@ noisy). `--quick` shrinks sizes and counts to check the suite works, not to meas
 
     .venv/bin/python bench/run.py [--quick] [--engine] [--out bench/results.json]
 
-`--engine` adds the end-to-end run on a real CPU vLLM engine (a ~1 GB model; minutes).
+`--engine` adds the end-to-end run on a real CPU vLLM engine (a ~1 GB model; minutes) and the
+rolling update over two such engines.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import download
 import footprint
 import gate
 import responsive
+import rolling
 import staged
 
 import e2e
@@ -36,6 +38,7 @@ QUICK = {
     "download": ["--mb", "8", "--files", "2", "--rounds", "2", "--part-mb", "1"],
     "footprint": ["--checkpoints", "20", "--seconds", "2"],
     "e2e": ["--hidden", "64", "--layers", "2", "--rounds", "1"],
+    "rolling": ["--hidden", "64", "--layers", "2", "--rounds", "1"],
 }
 FULL = {
     "detection": [],
@@ -52,6 +55,7 @@ FULL = {
     "download": [],
     "footprint": [],
     "e2e": [],
+    "rolling": [],
 }
 
 
@@ -88,7 +92,7 @@ def main() -> None:
         staged,
         download,
         footprint,
-        *((e2e,) if args.engine else ()),
+        *((e2e, rolling) if args.engine else ()),
     ):
         name = module.__name__
         with contextlib.redirect_stdout(io.StringIO()):  # each prints its JSON lines; the table is ours

@@ -45,6 +45,16 @@ def test_bench_e2e_on_a_real_engine_splits_publish_to_serving_into_phases():
     assert report["extension_allocations_after_first"] == 0
 
 
+@pytest.mark.engine
+def test_bench_rolling_update_of_two_real_engines_reports_its_ratio_to_one():
+    command = [sys.executable, str(BENCH / "rolling.py"), "--hidden", "64", "--layers", "2", "--rounds", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["benchmark"] == "rolling" and report["engines"] == 2
+    assert report["ratio"] > 1 and report["ideal"] > 1 and report["follower_reload_ms"] > 0
+
+
 def test_bench_gpu_datapath_script_runs_on_cpu_until_a_gpu_is_lent():
     command = [
         sys.executable,

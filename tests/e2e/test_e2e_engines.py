@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.support.checkpoints import write_manifest
-from tests.support.engine_fixtures import API_KEY, DaemonProcess, Engine, start_engine
+from tests.support.engine_fixtures import API_KEY, DaemonProcess, Engine, daemon_config, start_engine
 from vllm_reloader.tools.demo import stop_process
 from vllm_reloader.tools.publish import publish
 
@@ -25,8 +25,9 @@ pytestmark = pytest.mark.engine
 class Traffic:
     """Clients spread over the engines, and a sampler of `/is_paused` on each."""
 
-    def __init__(self, engines: list[Engine]) -> None:
-        self.engines = engines
+    def __init__(self, engines: list[Engine], every: float = 0.0) -> None:
+        """`every`: seconds between a client's requests (0: back to back)."""
+        self.engines, self.every = engines, every
         self.stop = threading.Event()
         self.answered = 0
         self.failed: list[str] = []
@@ -40,7 +41,7 @@ class Traffic:
     def _clients(self) -> None:
         with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
             turn = 0
-            while not self.stop.is_set():
+            while not self.stop.wait(self.every):
                 engine, turn = self.engines[turn % len(self.engines)], turn + 1
                 body = {"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 4, "temperature": 0}
                 try:
@@ -75,16 +76,6 @@ class Traffic:
                 thread.join(timeout=150)
 
 
-def config_for(path: Path, root: Path, urls: list[str], state: Path) -> Path:
-    listed = ", ".join(f'"{url}"' for url in urls)
-    path.write_text(
-        f'[source]\npath = "{root}"\npending_recheck_interval = 0.2\n'
-        f"[engine]\nurls = [{listed}]\nretry_initial = 0.2\nretry_max = 2.0\ncheck_interval = 0.5\n"
-        f'[state]\ndir = "{state}"\n[log]\nformat = "json"\n'
-    )
-    return path
-
-
 def exploding(source: Path, staged: Path) -> Path:
     """Finite weights, right shapes, times 1e30: every gate check passes, the forward pass overflows."""
     from safetensors.torch import load_file, save_file
@@ -116,7 +107,13 @@ def test_e2e_two_engines_roll_canary_first_stop_a_bad_version_and_bring_a_restar
     try:
         fresh_a = first.complete()
         assert second.complete() == fresh_a
-        config = config_for(tmp_path / "d.toml", root, [first.url, second.url], tmp_path / "state")
+        config = daemon_config(
+            tmp_path / "d.toml",
+            root=root,
+            engine_url=[first.url, second.url],
+            state_dir=tmp_path / "state",
+            engine_extra="check_interval = 0.5\n",
+        )
         daemon = DaemonProcess(config)
         for engine in engines:
             daemon.wait_for("engine.reconciled", engine=engine.url, version="step-1", timeout=120)
@@ -143,18 +140,24 @@ def test_e2e_two_engines_roll_canary_first_stop_a_bad_version_and_bring_a_restar
         assert outputs_b != fresh_a and second.complete() == outputs_b
         assert first.weight_version() == second.weight_version() == "step-2"
 
-        stop_process(second.process, signal.SIGKILL)  # killed; restarted on its startup model
-        second.stop()
-        port = int(second.url.rsplit(":", 1)[1])
-        second = start_engine(
-            root / "step-1", tmp_path / "second-again.log", port, env={"VLLM_CPU_OMP_THREADS_BIND": "1"}
-        )
-        engines = [first, second]
-        with Traffic([first]).running() as traffic:
-            back = daemon.wait_for("reload.started", engine=second.url, from_version="step-1", timeout=120)
-            assert back["version"] == "step-2"
-            done = daemon.wait_for("reload.succeeded", engine=second.url, version="step-2", timeout=180)
-            assert done["version"] == "step-2"
+        loads_before = len(daemon.events("reload.succeeded", engine=second.url))
+        # The first keeps serving throughout, at a pace that leaves its core time to vLLM's
+        # engine core of the restarting second (which vLLM places on the first's core).
+        with Traffic([first], every=0.2).running() as traffic:
+            stop_process(second.process, signal.SIGKILL)  # killed; restarted on its startup model
+            second.stop()
+            port = int(second.url.rsplit(":", 1)[1])
+            second = start_engine(
+                root / "step-1", tmp_path / "second-again.log", port, env={"VLLM_CPU_OMP_THREADS_BIND": "1"}
+            )
+            engines = [first, second]
+            daemon.wait_for("engine.reconciled", engine=second.url, version="step-1", timeout=120)
+            deadline = time.monotonic() + 180
+            while len(daemon.events("reload.succeeded", engine=second.url)) == loads_before:
+                assert time.monotonic() < deadline, "the restarted engine was not brought back"
+                time.sleep(0.2)
+            back = daemon.events("reload.started", engine=second.url)[-1]
+            assert back["version"] == "step-2" and back["from_version"] == "step-1"
         assert traffic.failed == [] and traffic.answered > 0 and traffic.paused[first.url] == 0
         assert second.weight_version() == "step-2" and second.complete() == outputs_b
         assert not first.is_paused() and not second.is_paused()

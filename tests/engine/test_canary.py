@@ -38,3 +38,12 @@ def test_canary_probe_fails_on_an_engine_error_or_garbage_weights():
     engine.fail["/v1/completions"] = lambda: httpx.Response(500, json={"error": {"message": "worker died"}})
     reason = canary.probe(client, config) or ""
     assert reason.startswith("prompt 0: /v1/completions: HTTP 500") and "worker died" in reason
+
+
+def test_canary_rejects_a_flat_output_distribution_at_every_step():
+    """Weights scaled into overflow: the engine's answer is finite but uniform over the vocabulary."""
+    flat = [[[-5.545, -5.545, -5.545]] * 2]
+    assert "equally likely" in (canary.judge([[-5.545, -5.545]], None, flat) or "")
+    peaked = [[[-0.5, -2.0, -2.1], [-5.545, -5.545, -5.545]]]
+    assert canary.judge([[-0.5, -5.545]], None, peaked) is None, "one flat step is not enough"
+    assert canary.judge([[-0.5]], None, [[]]) is None, "no top logprobs: not judged"

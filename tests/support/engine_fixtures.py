@@ -184,10 +184,18 @@ class DaemonProcess:
         return code
 
 
-def daemon_config(path: Path, *, root: Path, engine_url: str, state_dir: Path) -> Path:
+def daemon_config(
+    path: Path, *, root: Path, engine_url: str | list[str], state_dir: Path, engine_extra: str = ""
+) -> Path:
+    """`engine_url`: one engine, or a list of several (`urls`); `engine_extra`: more `[engine]` lines."""
+    engines = (
+        f'url = "{engine_url}"'
+        if isinstance(engine_url, str)
+        else "urls = [" + ", ".join(f'"{url}"' for url in engine_url) + "]"
+    )
     path.write_text(
         f'[source]\npath = "{root}"\npending_recheck_interval = 0.2\n'
-        f'[engine]\nurl = "{engine_url}"\nretry_initial = 0.2\nretry_max = 2.0\n'
+        f"[engine]\n{engines}\nretry_initial = 0.2\nretry_max = 2.0\n{engine_extra}"
         f'[state]\ndir = "{state_dir}"\n[log]\nformat = "json"\n'
     )
     return path

@@ -2,8 +2,10 @@
 
 A diverged run writes NaN or exploded weights that pass every check of the gate. So after a
 reload, before it counts as a success, a few real requests go to the engine (greedy, with
-logprobs): one that errors or times out, or any logprob that is not finite, or a mean
-below `min_mean_logprob`, fails the reload, and the worker loads the last good checkpoint
+logprobs): one that errors or times out, any logprob that is not finite, an output
+distribution that is flat at every step (every token exactly as likely: what weights scaled
+into overflow give once the engine's norms and softmax have flattened them), or a mean below
+`min_mean_logprob`, fails the reload, and the worker loads the last good checkpoint
 back. The engine is already serving the new weights during the probe (vLLM serves no
 request while paused), so clients may see them for the probe's duration: a second or so.
 """
@@ -17,9 +19,17 @@ from ..config import CanaryConfig
 from ..errors import EngineError
 from .client import EngineClient
 
+FLAT = 1e-6
+"""Top logprobs closer than this at a step count as equal (a model's never are, at every step)."""
 
-def judge(logprobs: Sequence[Sequence[float | None]], min_mean: float | None) -> str | None:
-    """Why these answers mean broken weights, or None. Pure."""
+
+def judge(
+    logprobs: Sequence[Sequence[float | None]],
+    min_mean: float | None,
+    top: Sequence[Sequence[Sequence[float]]] = (),
+) -> str | None:
+    """Why these answers mean broken weights, or None. Pure. `top`: for each prompt, each
+    step's most likely tokens' logprobs (may be empty: then not judged)."""
     flat: list[float] = []
     for i, values in enumerate(logprobs):
         if not values:
@@ -28,6 +38,9 @@ def judge(logprobs: Sequence[Sequence[float | None]], min_mean: float | None) ->
             if value is None or not math.isfinite(value):
                 return f"prompt {i}: logprob {value} is not finite"
             flat.append(value)
+    steps = [step for prompt in top for step in prompt]
+    if steps and all(len(step) > 1 and max(step) - min(step) < FLAT for step in steps):
+        return f"every token equally likely at every step (logprob {steps[0][0]:.3f}): broken weights"
     mean = sum(flat) / len(flat)
     if min_mean is not None and mean < min_mean:
         return f"mean logprob {mean:.2f} is below min_mean_logprob {min_mean:g}"
@@ -36,12 +49,12 @@ def judge(logprobs: Sequence[Sequence[float | None]], min_mean: float | None) ->
 
 def probe(client: EngineClient, config: CanaryConfig) -> str | None:
     """Ask the engine; None when it answers like a model, else why not."""
-    answers = []
+    answers, tops = [], []
     for i, prompt in enumerate(config.prompts):
         try:
-            answers.append(
-                client.token_logprobs(prompt, max_tokens=config.max_tokens, timeout=config.timeout)
-            )
+            values, top = client.token_logprobs(prompt, max_tokens=config.max_tokens, timeout=config.timeout)
         except EngineError as exc:
             return f"prompt {i}: {exc}"
-    return judge(answers, config.min_mean_logprob)
+        answers.append(values)
+        tops.append(top)
+    return judge(answers, config.min_mean_logprob, tops)

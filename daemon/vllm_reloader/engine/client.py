@@ -30,6 +30,11 @@ STARTUP_VERSION = "default"
 """What vLLM reports as weight version before anyone set one."""
 
 
+TOP_LOGPROBS = 5
+"""The canary asks for the 5 most likely tokens at each step: a flat distribution there
+(every token exactly equally likely) means weights that blew up, even when every logprob is finite."""
+
+
 class EngineClient:
     def __init__(
         self,
@@ -193,21 +198,29 @@ class EngineClient:
     def set_weight_version(self, version: str) -> None:
         self._call("POST", "/update_weight_version", json={"new_version": version})
 
-    def token_logprobs(self, prompt: str, *, max_tokens: int, timeout: float) -> list[float | None]:
-        """A greedy completion of `prompt`; the logprob of each generated token."""
+    def token_logprobs(
+        self, prompt: str, *, max_tokens: int, timeout: float
+    ) -> tuple[list[float | None], list[list[float]]]:
+        """A greedy completion of `prompt`: the logprob of each generated token, and at each
+        step the `TOP_LOGPROBS` most likely tokens' (empty where the engine gave none)."""
         body = self._call(
             "POST",
             "/v1/completions",
-            json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1},
+            json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": TOP_LOGPROBS},
             timeout=timeout,
         )
         try:
-            values = body["choices"][0]["logprobs"]["token_logprobs"]
-            return [None if v is None else float(v) for v in values]
+            logprobs = body["choices"][0]["logprobs"]
+            values = [None if v is None else float(v) for v in logprobs["token_logprobs"]]
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise EngineCallFailed(
                 "/v1/completions: no token_logprobs in answer", endpoint="/v1/completions"
             ) from exc
+        try:
+            top = [[float(v) for v in step.values()] for step in logprobs.get("top_logprobs") or ()]
+        except (AttributeError, TypeError, ValueError):
+            top = []
+        return values, top
 
 
 def _error_text(response: httpx.Response) -> str:
