@@ -7,7 +7,7 @@ restart on the same checkpoint (stop, start, healthy), (b) the page-cache memcpy
 `reload_weights` against the worker extension's reader (pread into reused buffers, never a
 mapping of the file), alternating, `--rounds` each.
 
-    .venv/bin/python bench/e2e.py [--hidden 2048 --layers 12]   # ~1 GB
+    .venv/bin/python bench/e2e.py [--hidden 2016 --layers 12]   # ~1 GB
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _timed_copy(source, target) -> float:  # type: ignore[no-untyped-def]
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=2016)  # 42 heads of 48
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)

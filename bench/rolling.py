@@ -6,7 +6,7 @@ config with `urls = [A, B]`: publish → both serving (A first, its canary, then
 update is sequential by design (no engine moves before the canary engine passed), so the
 ideal for two engines is the baseline plus B's own reload: `ideal = 1 + B's reload ÷ baseline`.
 
-    .venv/bin/python bench/rolling.py [--hidden 2048 --layers 12 --rounds 3]
+    .venv/bin/python bench/rolling.py [--hidden 2016 --layers 12 --rounds 3]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from _common import emit
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=2016)  # 42 heads of 48
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)

@@ -3,13 +3,15 @@ engines' rolling update is in tests/e2e/test_e2e_engines.py."""
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
 
 from tests.support.checkpoints import TENSORS
 from tests.support.daemon_fixtures import ENGINE_URL, follower_url
-from tests.support.fake_engine import FakeEngine, error
+from tests.support.engine_fixtures import DaemonProcess, daemon_config
+from tests.support.fake_engine import FakeEngine, FakeEngineServer, error
 from vllm_reloader.service import status
 
 
@@ -142,3 +144,35 @@ def test_engines_one_unreachable_engine_does_not_stop_the_other(start, root, mak
     running.wait_for("engine.error", engine=(ENGINE_URL, follower_url(0))[down])
     line = status.line(running.daemon.snapshot())
     assert "1/2 engines serving" in line
+
+
+def test_engines_sighup_adds_and_drops_engines_as_urls_says(tmp_path, root, make_checkpoint):
+    """A real daemon subprocess and two scripted engines behind real sockets."""
+    first, second = two_engines(root, make_checkpoint)
+    servers = [FakeEngineServer(first), FakeEngineServer(second)]
+    config = daemon_config(
+        tmp_path / "d.toml", root=root, engine_url=[servers[0].url], state_dir=tmp_path / "s"
+    )
+    daemon = DaemonProcess(config)
+    try:
+        daemon.wait_for("engine.reconciled", engine=servers[0].url)
+        make_checkpoint("step-2", step=2, root=root, seed=2)
+        daemon.wait_for("reload.succeeded", engine=servers[0].url, version="step-2")
+        assert second.version == "default", "not one of its engines yet"
+
+        daemon_config(config, root=root, engine_url=[s.url for s in servers], state_dir=tmp_path / "s")
+        daemon.process.send_signal(signal.SIGHUP)
+        daemon.wait_for("reload.succeeded", engine=servers[1].url, version="step-2")
+        assert second.version == "step-2"
+
+        daemon_config(config, root=root, engine_url=[servers[1].url], state_dir=tmp_path / "s")
+        daemon.process.send_signal(signal.SIGHUP)
+        daemon.wait_for("engine.dropped", engine=servers[0].url)
+        make_checkpoint("step-3", step=3, root=root, seed=3)
+        daemon.wait_for("reload.succeeded", engine=servers[1].url, version="step-3")
+        assert first.version == "step-2" and second.version == "step-3"
+        assert daemon.stop() == 0
+    finally:
+        daemon.stop()
+        for server in servers:
+            server.close()

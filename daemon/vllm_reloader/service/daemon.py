@@ -100,7 +100,7 @@ class Daemon:
             return None
         return RemoteSource(
             config,
-            serving=self.reloader.served.serving_key,
+            serving=lambda: self.reloader.served.serving_key(),  # the canary engine of now
             rejected=self.reloader.catalog.rejected_fingerprints,
             post=self.inbox.put,
             verified_files=self.reloader.gater.cache,
