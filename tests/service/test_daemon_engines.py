@@ -41,11 +41,13 @@ def test_engines_roll_a_checkpoint_through_canary_engine_first_one_at_a_time(sta
     assert len(running.events("checkpoint.ready", name="step-2")) == 1, "one gate for both engines"
     assert first.version == second.version == "step-2"
     assert both == [False, False], "never both paused"
-    views = status.answer(running.daemon.snapshot())["engines"]
-    assert [(v["url"], v["version"], v["state"]) for v in views] == [
+    answer = status.answer(running.daemon.snapshot())
+    assert [(v["url"], v["version"], v["state"]) for v in answer["engines"]] == [
         (ENGINE_URL, "step-2", "serving"),
         (follower_url(0), "step-2", "serving"),
     ]
+    shown = status.render(answer)
+    assert f"  {ENGINE_URL}  step-2  serving" in shown and f"  {follower_url(0)}  step-2  serving" in shown
 
 
 def test_engines_with_max_unavailable_two_reload_followers_together(start, root, make_checkpoint):
@@ -113,8 +115,10 @@ def test_engines_retry_a_failed_follower_reload_with_backoff_and_blame_no_checkp
     make_checkpoint("step-2", step=2, root=root, seed=2)
     retry = running.wait_for("engine.retry", engine=follower_url(0))
     assert "out of memory" in retry["reason"] and retry["retry_in_s"] > 0
-    view = status.answer(running.daemon.snapshot())["engines"][1]
+    answer = status.answer(running.daemon.snapshot())
+    view = answer["engines"][1]
     assert view["state"] == "behind" and "out of memory" in view["last_error"]
+    assert "FAILED: " in status.render(answer)
     assert not running.events("checkpoint.rejected"), "it passed on the canary engine"
     del second.fail[f"reload:{root / 'step-2'}"]
     running.wait_for("reload.succeeded", version="step-2", engine=follower_url(0), timeout=15)
