@@ -40,6 +40,7 @@ class Engine:
     retry_at_follow: float = 0.0
     """A follower whose reload failed is not tried again before this (monotonic)."""
     follow_backoff: float = 0.0
+    """The next wait after a follower's failed reload (reset to `retry_initial` at the first)."""
     last_error: str | None = None
     """Why the last reload on this engine failed (shown in `status` until one succeeds)."""
 
@@ -63,7 +64,6 @@ class Engine:
             worker=ReloadWorker(post, name=f"reload-worker {url}"),
             log=log.bind(engine=url),
             metrics=metrics,
-            follow_backoff=config.retry_initial,
         )
 
     def tend(self, now: float, config: EngineConfig, reconcile: Callable[[Engine], None]) -> None:
@@ -244,9 +244,6 @@ class Engines:
 
     def __iter__(self) -> Iterator[Engine]:
         return iter(self.all)
-
-    def __len__(self) -> int:
-        return len(self.all)
 
     def jobs(self) -> list[Job]:
         return [e.in_flight for e in (*self.all, *self.retired) if e.in_flight is not None]

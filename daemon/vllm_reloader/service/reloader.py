@@ -311,7 +311,7 @@ class Reloader:
         """Bring the followers to the version that passed on the canary engine, as room allows
         (one place is kept for a verdict waiting to load on the canary engine)."""
         want = rollout.wanted(self.served)
-        if want is None or len(self.engines) == 1:
+        if want is None:
             return
         followers = [
             rollout.Follower(

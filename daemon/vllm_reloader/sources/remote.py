@@ -163,10 +163,14 @@ class RemoteSource:
         if status == "failed":
             self._reject(name, None, Incomplete("rejected", why, seen.fingerprint, "canary"))
         elif status == "waiting":
-            waiting[name] = why
-            if self.pending.get(name) != why:
-                self.log.info("checkpoint.pending", name=name, reason=why, remote=True)
+            self._waiting(name, why, waiting)
         return status == "cleared"
+
+    def _waiting(self, name: str, reason: str, waiting: dict[str, str]) -> None:
+        """Pending for `reason`: logged when the reason is new, not at every poll."""
+        waiting[name] = reason
+        if self.pending.get(name) != reason:
+            self.log.info("checkpoint.pending", name=name, reason=reason, remote=True)
 
     def _report(self, kind: str, reason: str, **fields: Any) -> None:
         if self.problems.get(kind) != reason:
@@ -219,9 +223,7 @@ class RemoteSource:
                 self._download(name, listed, by_name[name])
                 break
             if verdict.status == "pending":
-                waiting[name] = verdict.reason
-                if self.pending.get(name) != verdict.reason:
-                    self.log.info("checkpoint.pending", name=name, reason=verdict.reason, remote=True)
+                self._waiting(name, verdict.reason, waiting)
             else:
                 manifest = None if isinstance(listed, Incomplete) else listed.manifest
                 self._reject(name, manifest, verdict)
