@@ -36,8 +36,16 @@ def test_outcome_success_serves_the_new_checkpoint_and_makes_it_last_good():
     assert (
         decision.serving
         == decision.last_good
-        == Loaded(name="step-2", version="step-2", path="/root/step-2", since=100.0, step=2, files=FILES)
-    ), "the identities it was verified with are kept: a rollback target is used only while they hold"
+        == Loaded(
+            name="step-2",
+            version="step-2",
+            path="/root/step-2",
+            since=100.0,
+            step=2,
+            files=FILES,
+            fingerprint="fp-2",
+        )
+    ), "its content fingerprint and the identities it was verified with are kept"
     assert names(decision) == ["reload.succeeded"] and decision.events[0].fields["reload_ms"] == 400
     assert decision.reject is None and decision.engine_down is None and decision.reloaded["bytes"] == 42
 

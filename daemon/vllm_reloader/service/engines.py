@@ -112,6 +112,7 @@ class Engine:
             candidate=candidate,
             target=Target(loading.version, loading.path, loading.files),
             rollback=fallback,
+            loading=loading,
             size=size,
             canary=config.canary,
             strategy=strategy,

@@ -40,6 +40,8 @@ class Job:
     extension: bool = False
     """Load through the worker extension (`engine.client.EXTENSION`)."""
     started: float = field(default_factory=time.monotonic)
+    loading: Loaded | None = None
+    """What the engine serves once this succeeds (its name, step and fingerprint)."""
 
     @property
     def fallback(self) -> Target | None:

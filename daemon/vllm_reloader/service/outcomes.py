@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..errors import EngineError, ReloadFailed
-from .jobs import Outcome
+from .jobs import Job, Outcome
 from .state import Loaded
 
 
@@ -105,7 +105,13 @@ def decide(outcome: Outcome, *, now: float) -> Decision:
         return Decision("failed", tuple(events), owed, engine_down=error)
     files = dict(job.target.files) if job.target.files is not None else None
     loaded = Loaded(
-        name=job.candidate.name, version=version, path=path, since=now, step=job.candidate.step, files=files
+        name=job.candidate.name,
+        version=version,
+        path=path,
+        since=now,
+        step=job.candidate.step,
+        files=files,
+        fingerprint=_fingerprint(job),
     )
     seconds = outcome.seconds
     events.append(
@@ -173,9 +179,20 @@ def _canary_failed(outcome: Outcome, events: list[Event], owed: bool, now: float
     # Nothing to go back to: it stays loaded, rejected, and the next good one replaces it.
     events.append(Event("error", "reload.canary_failed_no_fallback", {"version": version, "reason": reason}))
     stays = Loaded(
-        name=job.candidate.name, version=version, path=job.target.path, since=now, step=job.candidate.step
+        name=job.candidate.name,
+        version=version,
+        path=job.target.path,
+        since=now,
+        step=job.candidate.step,
+        fingerprint=_fingerprint(job),
     )
     return Decision("failed", tuple(events), owed, reject=reject, serving=stays, set_serving=True)
+
+
+def _fingerprint(job: Job) -> str:
+    """The loaded version's content fingerprint (a follower's or a restore's job carries it in
+    `loading`; its candidate's is "" so that it is not taken for a new version)."""
+    return job.loading.fingerprint if job.loading is not None else job.candidate.fingerprint
 
 
 def _changed(outcome: Outcome, reason: str, when: str) -> Event:

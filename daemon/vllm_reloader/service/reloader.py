@@ -352,7 +352,10 @@ class Reloader:
             )
             self.catalog.pending.pop(name, None)
             path, files = str(finished.gating.directory), dict(verdict.files)
-            loading = Loaded(name=name, version=version, path=path, since=0, step=manifest.step, files=files)
+            loading = Loaded(
+                name=name, version=version, path=path, since=0, step=manifest.step, files=files,
+                fingerprint=verdict.fingerprint,
+            )  # fmt: skip
             self.ready = Ready(order.Candidate(name, manifest.step, verdict.fingerprint), loading, size)
             self._advance()
 

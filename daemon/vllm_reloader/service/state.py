@@ -35,6 +35,9 @@ class Loaded(BaseModel):
     files: dict[str, tuple[int, int, int, int, int]] | None = None
     """Each file's identity as the gate verified it (None: never gated here, e.g. the
     startup model): a rollback target is used only while these still hold."""
+    fingerprint: str = ""
+    """What the version is: its content's fingerprint (`completeness.fingerprint`; "" for the
+    startup model and for state files written before versions were content)."""
 
 
 class Rejection(BaseModel):
