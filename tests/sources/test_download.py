@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.support import small_disk
 from tests.support.checkpoints import MakeCheckpoint
 from tests.support.store_fixtures import Bucket
 from vllm_reloader.checkpoint import gate
 from vllm_reloader.checkpoint.manifest import parse
-from vllm_reloader.errors import ObjectChanged
+from vllm_reloader.errors import DownloadError, ObjectChanged
 from vllm_reloader.sources import download
 from vllm_reloader.sources.download import JOURNAL_NAME, Part, Plan, fetch
 from vllm_reloader.sources.objstore import Store
@@ -164,3 +167,162 @@ def test_download_journals_a_part_only_after_its_bytes_are_synced(tmp_path, uplo
     assert run_fetch(store, tmp_path).rejected == ""
     order = "".join(event[0] for event in events)  # s: a sync, l: a journal line
     assert re.fullmatch(r"(s+l)+", order), f"every part synced before its line is written: {order}"
+
+
+def journaled(staging: Path) -> list[tuple[str, int, int]]:
+    journal = staging / JOURNAL_NAME
+    lines = journal.read_text().splitlines() if journal.exists() else []
+    return [(entry["path"], entry["start"], entry["end"]) for entry in map(json.loads, lines)]
+
+
+def assert_journal_names_only_whole_parts(staging: Path, checkpoint: Path) -> None:
+    """A journaled part is read back on resume instead of fetched: it must hold the source's bytes."""
+    for path, start, end in journaled(staging):
+        with (staging / path).open("rb") as f:
+            f.seek(start)
+            on_disk = f.read(end - start)
+        assert on_disk == (checkpoint / path).read_bytes()[start:end], f"{path} [{start}, {end}) is a hole"
+
+
+def into_shard(fd: int) -> bool:
+    """Picks out the `os.pwrite` calls into a shard (where a hole would go unseen longest)."""
+    return os.readlink(f"/proc/self/fd/{fd}").endswith(".safetensors")
+
+
+class SmallDisk:
+    """The cache's disk, which another writer fills up once the download has started: a real
+    tmpfs where it can be mounted; else `os.pwrite` plays a disk with `leave` bytes free."""
+
+    def __init__(self, path: Path, refused: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.path, self.refused, self.monkeypatch = path, refused, monkeypatch
+        self.free: int | None = None  # simulated: bytes left, None while not full
+
+    def fill(self, *, leave: int) -> None:
+        if not self.refused:
+            small_disk.fill(self.path, leave=leave)
+            return
+        self.free, real = leave, os.pwrite
+
+        def pwrite(fd: int, data, offset: int) -> int:
+            if self.free is None:
+                return real(fd, data, offset)
+            if self.free == 0:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            written = real(fd, memoryview(data)[: self.free], offset)
+            self.free -= written
+            return written
+
+        self.monkeypatch.setattr(download.os, "pwrite", pwrite)
+
+    def make_room(self) -> None:
+        (self.path / "filler").unlink(missing_ok=True)
+        self.free = None
+
+
+@pytest.fixture
+def disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> Iterator[SmallDisk]:
+    with small_disk.tmpfs(tmp_path / "disk", 256 << 10) as refused:
+        if refused:  # said, never skipped: the test runs on the simulated disk instead
+            request.node.user_properties.append(("disk", f"simulated, no tmpfs: {refused}"))
+            reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+            capture = request.config.pluginmanager.get_plugin("capturemanager")
+            if reporter is not None and capture is not None:
+                with capture.global_and_fixture_disabled():
+                    reporter.write_line(f"\n{request.node.nodeid}: ran on a simulated full disk ({refused})")
+        yield SmallDisk(tmp_path / "disk", refused, monkeypatch)
+
+
+def test_download_onto_a_disk_that_fills_up_fails_in_one_line_places_nothing_and_leaks_no_fd(
+    uploaded, disk: SmallDisk
+):
+    """The free-space precheck passes, then another writer takes the space: the next write is
+    cut short (one page left for a two-page part), the one after gets ENOSPC, and the journal
+    cannot be written either. Every file is still closed, and a resume after space is freed
+    places the source's bytes."""
+    checkpoint, store = uploaded
+    plan = Plan(concurrency=1, part_size=2 * small_disk.PAGE, min_free_bytes=0)
+    inner = counting(store, [])
+    filled: list[Part] = []
+
+    def filling(part: Part):
+        if not filled and part[0].endswith(".safetensors") and part[1] > 0:
+            filled.append(part)
+            disk.fill(leave=small_disk.PAGE)
+        return inner(part)
+
+    with pytest.raises(DownloadError) as caught:
+        run_fetch(store, disk.path, filling, plan)
+    message = str(caught.value)
+    assert filled and "\n" not in message and "No space left on device" in message, message
+    assert filled[0][0] in message, f"the message names the file: {message}"
+    assert not (disk.path / "cache" / "root" / "step-9").exists()
+    assert small_disk.open_under(disk.path) == [], "every file of the failed download closed"
+    staging = disk.path / "cache" / "staging" / "step-9"
+    assert_journal_names_only_whole_parts(staging, checkpoint)
+
+    disk.make_room()
+    result = run_fetch(store, disk.path, plan=plan)
+    assert result.rejected == "" and result.path is not None
+    for path in checkpoint.iterdir():
+        assert (result.path / path.name).read_bytes() == path.read_bytes()
+
+
+def test_download_writes_the_rest_of_a_part_the_disk_took_only_half_of(uploaded, tmp_path, monkeypatch):
+    """`pwrite` may write less than asked and say so only by its count: the rest is written
+    again, so the placed shard is the uploaded one, not a hole of zeros under a good digest."""
+    checkpoint, store = uploaded
+    real, cut = os.pwrite, []
+
+    def pwrite(fd: int, data, offset: int) -> int:
+        if not cut and into_shard(fd):
+            cut.append(offset)
+            return real(fd, memoryview(data)[: len(data) // 2], offset)
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(download.os, "pwrite", pwrite)
+    result = run_fetch(store, tmp_path)
+    assert cut and result.rejected == "" and result.path is not None
+    for path in checkpoint.iterdir():
+        assert (result.path / path.name).read_bytes() == path.read_bytes(), path.name
+    assert gate.check(result.path, serving=None).status == "ready"
+
+
+def test_download_write_that_makes_no_progress_is_a_download_error(uploaded, tmp_path, monkeypatch):
+    _checkpoint, store = uploaded
+    real = os.pwrite
+    monkeypatch.setattr(
+        download.os, "pwrite", lambda fd, data, at: 0 if into_shard(fd) else real(fd, data, at)
+    )
+    with pytest.raises(DownloadError, match="No space left on device"):
+        run_fetch(store, tmp_path)
+    assert not (tmp_path / "cache" / "root" / "step-9").exists()
+    assert small_disk.open_under(tmp_path / "cache") == []
+
+
+def test_download_journals_no_part_whose_bytes_the_disk_refused(uploaded, tmp_path, monkeypatch):
+    """Half a part written, then EIO on the rest: the download fails, and the journal it leaves
+    names only parts whose bytes are on disk, so a resume never reads a hole back as data."""
+    checkpoint, store = uploaded
+    real, cut, broken = os.pwrite, [], [True]
+
+    def pwrite(fd: int, data, offset: int) -> int:
+        if broken and into_shard(fd) and (not cut or cut == [offset]):
+            if cut:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            cut.append(offset + len(data) // 2)
+            return real(fd, memoryview(data)[: len(data) // 2], offset)
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(download.os, "pwrite", pwrite)
+    with pytest.raises(DownloadError, match="Input/output error"):
+        run_fetch(store, tmp_path, plan=Plan(concurrency=1, part_size=4096, min_free_bytes=0))
+    staging = tmp_path / "cache" / "staging" / "step-9"
+    assert_journal_names_only_whole_parts(staging, checkpoint)
+    assert not (tmp_path / "cache" / "root" / "step-9").exists()
+    broken.clear()
+    result = run_fetch(store, tmp_path)
+    assert result.rejected == "" and result.path is not None
+    for path in checkpoint.iterdir():
+        assert (result.path / path.name).read_bytes() == path.read_bytes(), path.name

@@ -3,15 +3,18 @@
 Parts are fetched with parallel ranged GETs (`concurrency` at a time, `part_size` bytes
 each, `If-Match` the listed ETag) and written in place with `pwrite`. They are consumed
 in file order as the window slides, so each file's digests are computed while streaming
-with at most `concurrency` parts in memory. Each finished part is appended to a journal in
-the staging directory; after a crash those parts are read back from disk, not fetched
-again. The manifest is written last, everything is fsynced, and one rename puts the
+with at most `concurrency` parts in memory. A part counts only once the disk took all of
+its bytes (a filling disk cuts a `pwrite` short without an error): only then is it hashed
+and appended to a journal in the staging directory; after a crash those parts are read back
+from disk, not fetched again. A write the disk refuses is a DownloadError that places
+nothing. The manifest is written last, everything is fsynced, and one rename puts the
 directory into the root — where the local gate checks it once more, like any checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -98,10 +101,17 @@ class _Journal:
         self._waiting, self._fds, self._bytes = [], set(), 0
 
     def close(self) -> None:
-        """Keeps what was written (a stop mid-download resumes from it), if it can be synced."""
-        with self._lock, contextlib.suppress(OSError):
-            self._sync()
-        self._file.close()
+        """Keeps what was written (a stop mid-download resumes from it), if it can be synced.
+        Never raises: a part it fails to journal is only fetched again, and on a full disk
+        its error would hide the download's own."""
+        with self._lock:
+            try:
+                self._sync()
+            except OSError:
+                pass
+            finally:
+                with contextlib.suppress(OSError):  # the buffered lines' flush; the file closes anyway
+                    self._file.close()
 
 
 def _parts(manifest: Manifest, listing: dict[str, Object], part_size: int) -> Iterator[Part]:
@@ -109,6 +119,17 @@ def _parts(manifest: Manifest, listing: dict[str, Object], part_size: int) -> It
         etag = listing[entry.path].etag or ""
         for start in range(0, entry.size, part_size):
             yield entry.path, start, min(start + part_size, entry.size), etag
+
+
+def _write_all(fd: int, data: memoryview, offset: int) -> None:
+    """`pwrite` says only by its count that a filling disk took part of the bytes: the rest is
+    written again, and a write that takes none is ENOSPC (left alone, it is a hole of zeros)."""
+    data = memoryview(data)
+    while data:
+        written = os.pwrite(fd, data, offset)
+        if written <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        data, offset = data[written:], offset + written
 
 
 def _check_space(staging: Path, needed: int, margin: int) -> None:
@@ -162,8 +183,11 @@ class _Download:
         data = self.get_part(part)
         if len(data) != end - start:
             raise SourceError(f"GET {path} [{start}, {end}): {len(data)} bytes came back")
-        os.pwrite(fd, data, start)
-        self.journal.record(part, fd)
+        try:
+            _write_all(fd, data, start)
+        except OSError as exc:  # named here: the fd's error knows no file
+            raise OSError(exc.errno, exc.strerror, str(self.staging / path)) from exc
+        self.journal.record(part, fd)  # a digest and a journal line only for bytes the disk took
         return data
 
     def run(self) -> str:
@@ -214,8 +238,12 @@ class _Download:
         return digest_mismatch(entry, self.states[entry.path]) or ""
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
+        """Every fd, whatever happened: one leaked per file per poll would also keep deleted
+        files' space allocated on the disk that just filled up."""
+        fds, self.fds = list(self.fds.values()), {}
+        for fd in fds:
+            with contextlib.suppress(OSError):  # released even when close reports an error
+                os.close(fd)
 
 
 def fetch(
@@ -253,8 +281,10 @@ def fetch(
                 download.open_files()
                 bad = download.run()
             finally:
-                journal.close()
-                download.close()
+                try:
+                    journal.close()  # first: it syncs the download's fds before journaling their parts
+                finally:
+                    download.close()
             if bad and download.reused_in and resume:
                 shutil.rmtree(staging)  # parts kept from before a crash may not have reached the disk
                 continue
@@ -267,7 +297,8 @@ def fetch(
             placed = _place(staging, root, name, last)
             return Fetched(placed, "", download.fetched, download.reused, seconds, digests, scanned)
     except OSError as exc:
-        raise DownloadError(f"downloading {name} into {staging}: {exc.strerror or exc}") from exc
+        where = exc.filename or staging
+        raise DownloadError(f"downloading {name} into {where}: {exc.strerror or exc}") from exc
     raise AssertionError("unreachable")
 
 
