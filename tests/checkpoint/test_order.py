@@ -1,4 +1,13 @@
-from vllm_reloader.checkpoint.order import Candidate, natural_key, order_key, to_try
+from vllm_reloader.checkpoint.order import (
+    NOTHING,
+    Candidate,
+    Serving,
+    natural_key,
+    order_key,
+    placed_name,
+    split_placed,
+    to_try,
+)
 
 
 def cands(*items: tuple[str, int | None]) -> dict[str, Candidate]:
@@ -17,30 +26,32 @@ def test_policy_orders_by_step_before_name():
 
 def test_policy_tries_only_newer_than_serving_newest_first():
     candidates = cands(("step-1", 1), ("step-2", 2), ("step-3", 3), ("step-4", 4))
-    chosen = to_try(candidates, serving=order_key("step-2", 2), rejected={})
+    chosen = to_try(candidates, serving=Serving(order_key("step-2", 2)), rejected={})
     assert [c.name for c in chosen] == ["step-4", "step-3"]
 
 
 def test_policy_never_moves_backwards():
     candidates = cands(("step-1", 1), ("step-2", 2))
-    assert to_try(candidates, serving=order_key("step-2", 2), rejected={}) == []
+    assert to_try(candidates, serving=Serving(order_key("step-2", 2)), rejected={}) == []
 
 
 def test_policy_coalesces_to_newest_when_several_are_ready():
     candidates = cands(*[(f"step-{i}", i) for i in range(1, 11)])
-    assert to_try(candidates, serving=order_key("step-1", 1), rejected={})[0].name == "step-10"
+    assert to_try(candidates, serving=Serving(order_key("step-1", 1)), rejected={})[0].name == "step-10"
 
 
 def test_policy_skips_rejected_until_manifest_changes():
     candidates = cands(("step-2", 2), ("step-3", 3))
-    assert [c.name for c in to_try(candidates, serving=None, rejected={"step-3": "fp-step-3"})] == ["step-2"]
+    assert [c.name for c in to_try(candidates, serving=NOTHING, rejected={"step-3": "fp-step-3"})] == [
+        "step-2"
+    ]
     changed = {**candidates, "step-3": Candidate("step-3", 3, "new-fingerprint")}
-    assert to_try(changed, serving=None, rejected={"step-3": "fp-step-3"})[0].name == "step-3"
+    assert to_try(changed, serving=NOTHING, rejected={"step-3": "fp-step-3"})[0].name == "step-3"
 
 
 def test_policy_treats_everything_as_newer_than_an_outside_startup_model():
     candidates = cands(("a", None), ("b", 5))
-    assert [c.name for c in to_try(candidates, serving=None, rejected={})] == ["b", "a"]
+    assert [c.name for c in to_try(candidates, serving=NOTHING, rejected={})] == ["b", "a"]
 
 
 def test_policy_sorts_digits_of_other_scripts_as_letters_without_failing():
@@ -49,3 +60,25 @@ def test_policy_sorts_digits_of_other_scripts_as_letters_without_failing():
     ordered = sorted(names, key=natural_key)
     assert ordered.index("step-3") < ordered.index("step-10"), "ASCII digits still compare as numbers"
     assert {"step-²", "step-٣", f"step-{bold_nine}"} <= set(ordered)
+
+
+def test_policy_takes_the_serving_names_new_content_as_newer_whatever_its_step():
+    serving = Serving(order_key("latest", 5), "latest", "fp-v1")
+    same_step = {"latest": Candidate("latest", 5, "fp-v2")}
+    assert [c.name for c in to_try(same_step, serving=serving, rejected={})] == ["latest"]
+    no_step = {"latest": Candidate("latest", None, "fp-v2")}
+    assert [c.name for c in to_try(no_step, serving=serving, rejected={})] == ["latest"]
+    unchanged = {"latest": Candidate("latest", 5, "fp-v1")}
+    assert to_try(unchanged, serving=serving, rejected={}) == [], "its own content is not newer"
+    other = {"older": Candidate("older", 4, "fp-x")}
+    assert to_try(other, serving=serving, rejected={}) == [], "another name still orders by step"
+
+
+def test_policy_orders_and_rejects_a_placed_download_by_its_name():
+    placed = placed_name("step-5", "ab" * 32)
+    assert placed == "step-5@" + "ab" * 8 and split_placed(placed) == ("step-5", "ab" * 8)
+    serving = Serving(order_key("step-5", 5), "step-5@" + "cd" * 8, "cd" * 32)
+    rewrite = {placed: Candidate(placed, 5, "ab" * 32)}
+    assert [c.name for c in to_try(rewrite, serving=serving, rejected={})] == [placed]
+    assert to_try(rewrite, serving=serving, rejected={"step-5": "ab" * 32}) == []
+    assert split_placed("step-5@not-hex") == ("step-5@not-hex", "")

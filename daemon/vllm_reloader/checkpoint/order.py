@@ -1,10 +1,15 @@
 """Which checkpoint is newer, and which to try next: a pure function of what is known, no I/O.
 
-Candidates are ordered by manifest `step`, then by directory name in natural order
-(`step-9` < `step-10`); a candidate without a step sorts before every stepped one.
-Only a candidate strictly newer than the one serving is ever loaded, newest first, so
-checkpoints that became ready during a reload are coalesced into one reload to the newest,
-and the serving version never moves backwards by itself.
+Candidates are ordered by manifest `step`, then by name in natural order (`step-9` <
+`step-10`); a candidate without a step sorts before every stepped one. Only a candidate
+newer than the one serving is ever loaded, newest first, so checkpoints that became ready
+during a reload are coalesced into one reload to the newest, and the serving version never
+moves backwards by itself.
+
+A version is its content (its fingerprint), not its name: the serving name rewritten with
+other content was published after what serves, so it is newer whatever its step. A download
+of a name is placed as `NAME@<first 16 hex of its fingerprint>`, so two contents of one name
+never share a directory; such a directory orders (and is rejected) by `NAME`.
 """
 
 from __future__ import annotations
@@ -16,6 +21,24 @@ from dataclasses import dataclass
 OrderKey = tuple[int, int, tuple[tuple[int, int | str], ...]]
 
 _DIGITS = re.compile(r"([0-9]+)")
+_PLACED = re.compile(r"(?P<base>.+)@(?P<fingerprint>[0-9a-f]{16})")
+PLACED_FINGERPRINT_CHARS = 16
+
+
+def placed_name(name: str, fingerprint: str) -> str:
+    """The directory a download of `name` with this content is placed in."""
+    return f"{name}@{fingerprint[:PLACED_FINGERPRINT_CHARS]}"
+
+
+def split_placed(directory: str) -> tuple[str, str]:
+    """(name, fingerprint prefix) of a placed download's directory; (directory, "") for any other."""
+    found = _PLACED.fullmatch(directory)
+    return (found["base"], found["fingerprint"]) if found else (directory, "")
+
+
+def base_name(directory: str) -> str:
+    """The version's name: a placed download's directory without its fingerprint."""
+    return split_placed(directory)[0]
 
 
 def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
@@ -33,30 +56,53 @@ def order_key(name: str, step: int | None) -> OrderKey:
 @dataclass(frozen=True)
 class Candidate:
     name: str
+    """Its directory (or, in an object store, its prefix)."""
     step: int | None
     fingerprint: str
-    """sha256 of the manifest bytes, "" when there is no readable manifest yet."""
+    """What its content is (`completeness.fingerprint`), "" while nothing readable says."""
+
+    @property
+    def base(self) -> str:
+        return base_name(self.name)
 
     @property
     def key(self) -> OrderKey:
-        return order_key(self.name, self.step)
+        return order_key(self.base, self.step)
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What serves, as candidates are compared with it."""
+
+    key: OrderKey | None
+    """Its place in the order; None: outside the root (every candidate is newer)."""
+    name: str = ""
+    fingerprint: str = ""
+    """"" when unknown (a startup model): then only the order counts."""
+
+    def replaced_by(self, candidate: Candidate) -> bool:
+        """Whether `candidate` is newer: later in the order, or the serving name's new content."""
+        if self.key is None or candidate.key > self.key:
+            return True
+        rewritten = candidate.fingerprint not in ("", self.fingerprint)
+        return bool(self.fingerprint) and candidate.base == base_name(self.name) and rewritten
+
+
+NOTHING = Serving(None)
 
 
 def to_try(
     candidates: Mapping[str, Candidate],
     *,
-    serving: OrderKey | None,
+    serving: Serving,
     rejected: Mapping[str, str],
 ) -> list[Candidate]:
     """Candidates worth gating now, newest first.
 
-    `serving` is the serving checkpoint's key (None: the engine serves something outside
-    the root, so every candidate is newer). `rejected` maps name → the manifest fingerprint
-    it was rejected with; such a candidate comes back only once its manifest changed.
+    `rejected` maps a version's name → the fingerprint it was rejected with; such a candidate
+    comes back only once its content changed.
     """
     eligible = [
-        c
-        for c in candidates.values()
-        if (serving is None or c.key > serving) and rejected.get(c.name) != c.fingerprint
+        c for c in candidates.values() if serving.replaced_by(c) and rejected.get(c.base) != c.fingerprint
     ]
     return sorted(eligible, key=lambda c: c.key, reverse=True)

@@ -86,7 +86,7 @@ class Catalog:
         self.recheck_at.pop(name, None)
 
     def next_to_gate(
-        self, serving: Loaded | None, serving_key: order.OrderKey | None, now: float
+        self, serving: Loaded | None, serving_key: order.Serving, now: float
     ) -> order.Candidate | None:
         """The newest candidate worth gating that is not waiting for its recheck."""
         worth = self.worth_trying(serving, serving_key)
@@ -101,19 +101,18 @@ class Catalog:
         self.recheck_at[name] = until
 
     def rejected_fingerprints(self) -> dict[str, str]:
-        """name → the fingerprint it was rejected with: retried only once that changes."""
+        """A version's name → the fingerprint it was rejected with: retried only once that changes
+        (a download placed as `NAME@…` is rejected as NAME, as the object store's listing sees it)."""
         return {name: r.fingerprint for name, r in self.rejected.items()}
 
-    def worth_trying(
-        self, serving: Loaded | None, serving_key: order.OrderKey | None
-    ) -> list[order.Candidate]:
+    def worth_trying(self, serving: Loaded | None, serving_key: order.Serving) -> list[order.Candidate]:
         """The candidates to gate now, newest first: only the pinned one while pinned (an
         operator's choice: load exactly that one, older or not, then hold still)."""
         rejected = self.rejected_fingerprints()
         if self.pinned is not None:
             pinned = self.candidates.get(self.pinned)
             done = serving is not None and serving.name == self.pinned
-            skip = done or pinned is None or rejected.get(pinned.name) == pinned.fingerprint
+            skip = done or pinned is None or rejected.get(pinned.base) == pinned.fingerprint
             worth = [] if skip or pinned is None else [pinned]
         else:
             worth = order.to_try(self.candidates, serving=serving_key, rejected=rejected)
@@ -121,7 +120,7 @@ class Catalog:
         self.pending = {n: reason for n, reason in self.pending.items() if n in names}
         return worth
 
-    def newer_than(self, serving_key: order.OrderKey | None) -> set[str]:
+    def newer_than(self, serving_key: order.Serving) -> set[str]:
         """Candidates that would load next (retention must not delete them)."""
         return {
             c.name
@@ -154,10 +153,17 @@ class Catalog:
     def reject(
         self, name: str, version: str | None, reason: str, fingerprint: str, **details: object
     ) -> None:
-        version = version or name
+        version = version or order.base_name(name)
         self.pending.pop(name, None)
-        self.log.warning("checkpoint.rejected", name=name, version=version, reason=reason, **details)
-        self.rejected[name] = Rejection(
+        self.log.warning(
+            "checkpoint.rejected",
+            name=name,
+            version=version,
+            fingerprint=fingerprint,
+            reason=reason,
+            **details,
+        )
+        self.rejected[order.base_name(name)] = Rejection(
             version=version, reason=reason, fingerprint=fingerprint, at=time.time()
         )
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..checkpoint import order
-from .served import Served
+from .served import Served, serving_of
 from .state import Loaded
 
 EngineState = Literal["serving", "reloading", "unreachable", "behind"]
@@ -37,22 +37,33 @@ def wanted(canary: Served) -> Loaded | None:
     serving = canary.serving
     if serving is None or not canary.reconciled:
         return None
-    passed = any((g.version, g.path) == (serving.version, serving.path) for g in canary.good)
+    passed = any(_same(g, serving) for g in canary.good)
     return serving if passed else None
 
 
+def _same(a: Loaded, b: Loaded) -> bool:
+    """The same checkpoint: one place, and one content where both are known."""
+    return (a.version, a.path) == (b.version, b.path) and _same_content(a, b)
+
+
 def behind(serving: Loaded | None, want: Loaded | None, pinned: str | None) -> bool:
-    """Whether an engine serving `serving` should load `want`: a newer version, weights of unknown
-    mix, or the operator's pin — never an older version by itself."""
-    if want is None or (serving is not None and serving.version == want.version):
+    """Whether an engine serving `serving` should load `want`: a newer version (the same name's
+    new content included), weights of unknown mix, or the operator's pin — never an older
+    version by itself."""
+    if want is None:
+        return False
+    if serving is not None and serving.version == want.version and _same_content(serving, want):
         return False
     if pinned is not None and pinned == want.name:
         return True
-    want_key = order.order_key(want.name, want.step) if want.in_root else None
-    if want_key is None:
+    if not want.in_root:
         return False
-    have_key = order.order_key(serving.name, serving.step) if serving and serving.in_root else None
-    return have_key is None or want_key > have_key
+    want_as = order.Candidate(want.name, want.step, want.fingerprint)
+    return serving_of(serving).replaced_by(want_as)
+
+
+def _same_content(a: Loaded, b: Loaded) -> bool:
+    return not (a.fingerprint and b.fingerprint and a.fingerprint != b.fingerprint)
 
 
 def next_to_load(

@@ -14,6 +14,14 @@ from typing import Any
 from ..checkpoint import layout, order
 from .state import Loaded
 
+
+def serving_of(loaded: Loaded | None) -> order.Serving:
+    if loaded is None or not loaded.in_root:
+        return order.NOTHING
+    key = order.order_key(order.base_name(loaded.name), loaded.step)
+    return order.Serving(key, loaded.name, loaded.fingerprint)
+
+
 HISTORY = 4
 """Checkpoints kept as rollback targets: trainers delete old ones (HF `save_total_limit`),
 so the newest still intact is used, not just the last."""
@@ -45,10 +53,10 @@ class Served:
     def __post_init__(self) -> None:
         self.backoff = self.retry_initial
 
-    def serving_key(self) -> order.OrderKey | None:
-        """Where the serving checkpoint sits in the order; None: outside the root (all are newer)."""
-        serving = self.serving
-        return order.order_key(serving.name, serving.step) if serving and serving.in_root else None
+    def serving_key(self) -> order.Serving:
+        """What a candidate must replace: the serving checkpoint's place in the order and content
+        (nothing, when it is outside the root: all are newer)."""
+        return serving_of(self.serving)
 
     def went_down(self, now: float, retry_max: float) -> float:
         """It did not answer: reconcile again after a backoff; returns the wait."""

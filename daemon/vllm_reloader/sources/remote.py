@@ -84,7 +84,7 @@ class RemoteSource:
         self,
         config: Config,
         *,
-        serving: Callable[[], order.OrderKey | None],
+        serving: Callable[[], order.Serving],
         rejected: Callable[[], Mapping[str, str]],
         post: Callable[[SourceEvent], None],
         store: Store | None = None,
