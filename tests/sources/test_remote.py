@@ -16,7 +16,7 @@ from tests.support.checkpoints import MakeCheckpoint, hf_index, write_manifest, 
 from tests.support.fake_engine import FakeEngine, FakeEngineServer
 from tests.support.store_fixtures import Bucket, new_bucket
 from vllm_reloader import config
-from vllm_reloader.checkpoint import completeness, gate, verified
+from vllm_reloader.checkpoint import completeness, gate, order, verified
 from vllm_reloader.checkpoint.completeness import Convention, DirectoryListing, Listed
 from vllm_reloader.checkpoint.files import INDEX_NAME
 from vllm_reloader.checkpoint.manifest import parse
@@ -36,7 +36,7 @@ class Harness:
             state=config.StateConfig(dir=tmp_path / "state", **{"min_free_bytes": 0, **state}),
         )
         self.posted: list[Downloaded | Rejected] = []
-        self.serving_key = None
+        self.serving_key = order.NOTHING
         self.source = RemoteSource(
             self.cfg, serving=lambda: self.serving_key, rejected=dict, post=self.posted.append
         )
@@ -46,7 +46,15 @@ class Harness:
         return self.cfg.checkpoint_root
 
     def fetched(self) -> list[str]:
-        return [message.name for message in self.posted if isinstance(message, Downloaded)]
+        """The names downloaded (each placed as `NAME@<fingerprint>`)."""
+        return [order.base_name(m.name) for m in self.posted if isinstance(m, Downloaded)]
+
+    def placed(self, name: str) -> Path:
+        """Where the newest download of `name` was placed (`ROOT/NAME` when none was)."""
+        found = (
+            [p for p in self.root.glob("*") if order.base_name(p.name) == name] if self.root.exists() else []
+        )
+        return max(found, key=lambda p: p.stat().st_mtime_ns) if found else self.root / name
 
     def rejected(self) -> list[dict[str, Any]]:
         return [dataclasses.asdict(m) for m in self.posted if isinstance(m, Rejected)]
@@ -67,7 +75,7 @@ def test_remote_manifest_uploaded_last_is_the_signal(tmp_path, bucket: Bucket, c
     with structlog.testing.capture_logs() as logs:
         harness.source.poll()
     assert harness.fetched() == ["step-5"]
-    placed = harness.root / "step-5"
+    placed = harness.placed("step-5")
     assert gate.check(placed, serving=None).status == "ready"
     for path in checkpoint.iterdir():
         assert (placed / path.name).read_bytes() == path.read_bytes()
@@ -106,7 +114,7 @@ def test_remote_wrong_digest_is_rejected_and_never_placed(tmp_path, bucket: Buck
     (rejection,) = harness.rejected()
     assert rejection["name"] == "step-5" and rejection["check"] == "digests"
     assert f"{shard.name}: blake3 mismatch" in rejection["reason"]
-    assert not (harness.root / "step-5").exists()
+    assert not (harness.placed("step-5")).exists()
     assert not (harness.cfg.cache_dir / "staging" / "step-5").exists()
     harness.source.poll()
     assert len(harness.rejected()) == 1, "not downloaded again until the manifest changes"
@@ -116,9 +124,7 @@ def test_remote_only_newer_than_serving_and_newest_first(tmp_path, bucket: Bucke
     harness = Harness(tmp_path, bucket.url)
     for step in (3, 4, 6):
         bucket.upload_dir(make_checkpoint(f"step-{step}", step=step, root=tmp_path / "src"), f"step-{step}")
-    from vllm_reloader.checkpoint.order import order_key
-
-    harness.serving_key = order_key("step-4", 4)
+    harness.serving_key = order.Serving(order.order_key("step-4", 4))
     harness.source.poll()
     harness.source.poll()
     assert harness.fetched() == ["step-6"], "one download per poll, the newest; never older than serving"
@@ -191,7 +197,7 @@ def test_remote_short_of_disk_space_says_so_and_starts_nothing(tmp_path, bucket:
         harness.source.poll()
     (failed,) = [e for e in logs if e["event"] == "download.failed"]
     assert failed["reason"].startswith("not enough space in ") and "GB is free" in failed["reason"]
-    assert harness.fetched() == [] and not (harness.root / "step-5").exists()
+    assert harness.fetched() == [] and not (harness.placed("step-5")).exists()
 
 
 def test_remote_manifest_refetched_only_when_its_etag_changes(tmp_path, bucket: Bucket, checkpoint: Path):
@@ -254,7 +260,7 @@ def test_remote_version_written_by_publish_keeps_its_manifest_bytes(tmp_path, bu
     harness = Harness(tmp_path, bucket.url)
     bucket.upload_dir(checkpoint, "step-5")
     harness.source.poll()
-    placed = harness.root / "step-5" / "manifest.json"
+    placed = harness.placed("step-5") / "manifest.json"
     assert placed.read_bytes() == (checkpoint / "manifest.json").read_bytes(), "same fingerprint locally"
 
 
@@ -299,9 +305,9 @@ def test_daemon_loads_from_the_bucket_and_keeps_only_what_it_may_need(
                 src = make_checkpoint(f"out-{step}", root=tmp_path / "trainer", seed=step)
                 publish_remote(src, bucket.url, step=step)
                 wait_for(logs, "reload.succeeded", version=f"step-{step}")
-                assert engine.loaded == str(daemon.config.checkpoint_root / f"step-{step}")
+                assert order.base_name(Path(engine.loaded).name) == f"step-{step}"
             wait_for(logs, "cache.pruned", name="step-2")
-            assert sorted(p.name for p in daemon.config.checkpoint_root.iterdir()) == ["step-3", "step-4"]
+            assert placed_names(daemon.config.checkpoint_root) == ["step-3", "step-4"]
             bad = make_checkpoint("out-5", root=tmp_path / "trainer", seed=5)
             write_manifest(bad, step=5, overrides={"version": "step-5"})
             bucket.upload_dir(bad, "step-5", skip=("manifest.json",))
@@ -321,6 +327,40 @@ def test_daemon_loads_from_the_bucket_and_keeps_only_what_it_may_need(
             thread.join(timeout=15)
     assert not thread.is_alive() and not engine.paused
     assert not [c for c in engine.calls if "step-5" in c], "a rejected checkpoint never reaches the engine"
+
+
+def test_daemon_rewrite_of_the_serving_name_is_a_new_version_and_rolls_back_to_the_old_copy(
+    tmp_path, bucket: Bucket, make_checkpoint: MakeCheckpoint
+):
+    """`latest` rewritten with the same step is loaded (a version is its content); the new
+    content fails its canary, and the engine goes back to the first copy, which the download of
+    the second never replaced nor deleted."""
+    startup = make_checkpoint("startup", root=tmp_path / "models")
+    engine = FakeEngine(startup=str(startup))
+    first = make_checkpoint("latest", step=5, root=tmp_path / "v1", seed=1)
+    second = make_checkpoint("latest", step=5, root=tmp_path / "v2", seed=2)
+    with structlog.testing.capture_logs() as logs:
+        daemon, thread = remote_daemon(tmp_path, bucket, engine)
+        root = daemon.config.checkpoint_root
+        try:
+            wait_for(logs, "engine.reconciled")
+            bucket.upload_dir(first, "latest")
+            wait_for(logs, "reload.succeeded", version="latest")
+            v1 = root / order.placed_name("latest", fingerprint_of(first))
+            assert engine.loaded == str(v1)
+            v2 = root / order.placed_name("latest", fingerprint_of(second))
+            engine.garbage.add(str(v2))
+            bucket.upload_dir(second, "latest")
+            back = wait_for(logs, "reload.rolled_back", cause="canary")
+            assert back["to_version"] == "latest" and engine.loaded == str(v1)
+            assert gate.check(v1, serving=None).status == "ready", "the rollback target is intact"
+            rejected = wait_for(logs, "checkpoint.rejected", check="canary")
+            assert rejected["fingerprint"] == fingerprint_of(second)
+        finally:
+            daemon.request_stop()
+            thread.join(timeout=15)
+    assert not [e for e in logs if e["event"] == "reload.canary_failed_no_fallback"]
+    assert not engine.paused
 
 
 def test_daemon_subprocess_with_wrong_credentials_logs_once_and_keeps_running(
@@ -357,7 +397,7 @@ def foreign_harness(tmp_path: Path, bucket: Bucket, mode: str, **source: Any) ->
         update={"source": harness.cfg.source.model_copy(update={"completeness": mode, **source})}
     )
     harness.source = RemoteSource(
-        harness.cfg, serving=lambda: None, rejected=dict, post=harness.posted.append
+        harness.cfg, serving=lambda: order.NOTHING, rejected=dict, post=harness.posted.append
     )
     return harness
 
@@ -373,7 +413,7 @@ def test_remote_hf_checkpoint_uploaded_shards_then_index(tmp_path, bucket: Bucke
     bucket.put("checkpoint-300/model.safetensors.index.json", index)
     harness.source.poll()
     assert harness.fetched() == ["checkpoint-300"]
-    placed = harness.root / "checkpoint-300"
+    placed = harness.placed("checkpoint-300")
     assert sorted(p.name for p in placed.iterdir()) == sorted(
         [*(s.name for s in shards), "config.json", INDEX_NAME]
     )
@@ -407,7 +447,7 @@ def test_remote_marker_checkpoint_is_fetched_once_the_marker_is_there(tmp_path, 
     bucket.put("700/commit_success.txt", b"ok")
     harness.source.poll()
     assert harness.fetched() == ["700"]
-    assert (harness.root / "700" / "commit_success.txt").read_bytes() == b"ok"
+    assert (harness.placed("700") / "commit_success.txt").read_bytes() == b"ok"
 
 
 def test_remote_single_safetensors_waits_for_quiet(tmp_path, bucket: Bucket):
@@ -435,7 +475,7 @@ def test_daemon_with_keep_0_still_loads_what_it_downloaded(tmp_path, bucket: Buc
                     make_checkpoint(f"o{step}", root=tmp_path / "t", seed=step), bucket.url, step=step
                 )
                 wait_for(logs, "reload.succeeded", version=f"step-{step}")
-            assert sorted(p.name for p in daemon.config.checkpoint_root.iterdir()) == ["step-3"]
+            assert placed_names(daemon.config.checkpoint_root) == ["step-3"]
         finally:
             daemon.request_stop()
             thread.join(timeout=15)
@@ -484,11 +524,19 @@ def test_remote_key_obstore_cannot_list_costs_only_that_object(tmp_path, bucket:
     assert harness.fetched() == ["step-6", "step-5"], "one per poll, newest first; the odd keys cost nothing"
     bad = [e for e in logs if e["event"] == "source.bad_key"]
     assert {e["name"] for e in bad} == {"step-6", "step-7"}, "each logged once, not per poll"
-    assert gate.check(harness.root / "step-6", serving=None).status == "ready"
+    assert gate.check(harness.placed("step-6"), serving=None).status == "ready"
     assert not [e for e in logs if e["event"] == "source.failed"]
 
 
-def test_remote_checkpoint_rewritten_under_the_same_name_is_fetched_again(
+def placed_names(root: Path) -> list[str]:
+    return sorted(order.base_name(p.name) for p in root.iterdir())
+
+
+def fingerprint_of(checkpoint: Path) -> str:
+    return completeness.fingerprint_of((checkpoint / "manifest.json").read_bytes())
+
+
+def test_remote_checkpoint_rewritten_under_the_same_name_is_fetched_again_beside_the_serving_copy(
     tmp_path, bucket: Bucket, make_checkpoint
 ):
     harness = Harness(tmp_path, bucket.url)
@@ -497,12 +545,18 @@ def test_remote_checkpoint_rewritten_under_the_same_name_is_fetched_again(
     harness.source.poll()
     assert harness.fetched() == ["step-5"]
     second = make_checkpoint("b", step=5, root=tmp_path / "src", seed=2)
+    was = harness.placed("step-5")
+    harness.serving_key = order.Serving(order.order_key("step-5", 5), was.name, fingerprint_of(first))
     bucket.upload_dir(second, "step-5")  # same name, other bytes, another manifest ETag
     harness.source.poll()
-    assert harness.fetched() == ["step-5", "step-5"]
-    placed = harness.root / "step-5"
-    assert (placed / "manifest.json").read_bytes() == (second / "manifest.json").read_bytes()
+    assert harness.fetched() == ["step-5", "step-5"], "the serving name's new content is a new version"
+    placed = harness.placed("step-5")
+    assert (
+        placed != was and (placed / "manifest.json").read_bytes() == (second / "manifest.json").read_bytes()
+    )
     assert gate.check(placed, serving=None).status == "ready"
+    assert gate.check(was, serving=None).status == "ready", "the serving copy is never replaced nor deleted"
+    assert (was / "manifest.json").read_bytes() == (first / "manifest.json").read_bytes()
     harness.source.poll()
     assert harness.fetched() == ["step-5", "step-5"], "fetched once per rewrite"
 
@@ -516,7 +570,7 @@ def test_remote_download_verified_while_streaming_is_not_read_again(
     harness.source.verified_files = cache = verified.Cache()
     bucket.upload_dir(checkpoint, "step-5")
     harness.source.poll()
-    placed = harness.root / "step-5"
+    placed = harness.placed("step-5")
     run = gate.Run(cache=cache)
     assert gate.check(placed, serving=None, run=run).status == "ready"
     listed = sum(p.stat().st_size for p in placed.iterdir() if p.name != "manifest.json")
@@ -540,6 +594,6 @@ def test_remote_download_with_nan_weights_is_rejected_from_its_streaming_scan(
     bucket.upload_dir(diverged, "step-5")
     harness.source.poll()
     run = gate.Run(cache=cache)
-    verdict = gate.check(harness.root / "step-5", serving=None, run=run)
+    verdict = gate.check(harness.placed("step-5"), serving=None, run=run)
     assert verdict.status == "rejected" and verdict.details["check"] == "finite"
     assert run.progress.cached == run.progress.done > 0, "known from the download, not read again"

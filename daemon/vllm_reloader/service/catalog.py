@@ -140,7 +140,7 @@ class Catalog:
             protected |= self.newer_than(served.serving_key())
         for name in cache.prune(self.root, cache.to_prune(self.candidates, protected=protected, keep=keep)):
             self.forget(name)
-            self.log.info("cache.pruned", name=name, kept=sorted(protected))
+            self.log.info("cache.pruned", name=order.base_name(name), directory=name, kept=sorted(protected))
 
     def note_pending(self, name: str, reason: str, **details: object) -> None:
         if self.pending.get(name) != reason:

@@ -22,9 +22,11 @@ from .state import Loaded
 def version_of(directory: Path) -> str:
     """The manifest's version, else the directory name (read like any writer's file)."""
     try:
-        return parse_manifest(read_small(directory / MANIFEST_NAME)).version or directory.name
+        return parse_manifest(read_small(directory / MANIFEST_NAME)).version or order.base_name(
+            directory.name
+        )
     except (OSError, NotJSONYet, ManifestInvalid):
-        return directory.name
+        return order.base_name(directory.name)
 
 
 def serving(

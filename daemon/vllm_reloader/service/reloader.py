@@ -341,7 +341,7 @@ class Reloader:
         else:
             manifest = verdict.manifest
             assert manifest is not None
-            version, size = manifest.version or name, verdict.bytes
+            version, size = manifest.version or order.base_name(name), verdict.bytes
             self.log.info(
                 "checkpoint.ready",
                 name=name,

@@ -153,11 +153,12 @@ class _Download:
         stop: threading.Event,
         get_part: Callable[[Part], memoryview] | None,
         journal: _Journal,
+        prefix: str,
     ) -> None:
+        """`prefix`: the checkpoint's name in the store (its keys are NAME/PATH)."""
         self.store, self.manifest, self.listing, self.staging = store, manifest, listing, staging
         self.journal = journal
         self.plan, self.stop = plan, stop
-        prefix = staging.name  # keys in the store are NAME/PATH
         self.get_part = get_part or (lambda p: store.get_range(f"{prefix}/{p[0]}", p[1], p[2], p[3] or None))
         self.fds: dict[str, int] = {}
         self.fetched = self.reused = 0
@@ -258,23 +259,28 @@ def fetch(
     plan: Plan = Plan(),
     stop: threading.Event | None = None,
     get_part: Callable[[Part], memoryview] | None = None,
+    place_as: str | None = None,
 ) -> Fetched:
-    """Download `name` (whose manifest and listing the caller judged complete) into `root`.
+    """Download `name` (whose manifest and listing the caller judged complete) into `root`,
+    as `ROOT/<place_as>` (default: the name).
 
     `manifest` lists what to fetch (ours, or one worked out for a foreign writer); `listing`
     maps each of its paths to the listed object; `last` is the file that marks the
     checkpoint complete (our manifest, an HF index, a marker), written after all others.
+    The caller names each content apart (`order.placed_name`): a directory already there is
+    that content, placed before, and nothing in the root is ever replaced.
 
     Raises SourceError (the store failed: retry later, the journal keeps the progress),
     DownloadError (the cache disk); returns `rejected` when the bytes fail their digests."""
     stop = stop or threading.Event()
     started = time.perf_counter()
-    staging = staging_root / name
+    place_as = place_as or name
+    staging = staging_root / place_as
     try:
         for resume in (True, False):
             staging.mkdir(parents=True, exist_ok=True)
             journal = _Journal(staging / JOURNAL_NAME, resume)
-            download = _Download(store, manifest, listing, staging, plan, stop, get_part, journal)
+            download = _Download(store, manifest, listing, staging, plan, stop, get_part, journal, name)
             try:
                 reused = sum(end - start for _, start, end, _ in journal.done)
                 _check_space(staging, manifest.total_bytes - reused, plan.min_free_bytes)
@@ -294,7 +300,7 @@ def fetch(
                 return Fetched(None, bad, download.fetched, download.reused, seconds)
             digests = {p: s["blake3"].hexdigest() for p, s in download.states.items() if "blake3" in s}
             scanned = {p: scan.found for p, scan in download.scans.items() if scan.scanned}
-            placed = _place(staging, root, name, last)
+            placed = _place(staging, root, place_as, last)
             return Fetched(placed, "", download.fetched, download.reused, seconds, digests, scanned)
     except OSError as exc:
         where = exc.filename or staging
@@ -303,7 +309,8 @@ def fetch(
 
 
 def _place(staging: Path, root: Path, name: str, last: tuple[str, bytes] | None) -> Path:
-    """The completing file last, everything fsynced, then one rename into the root."""
+    """The completing file last, everything fsynced, then one rename into the root. Never over
+    a directory that is there: an engine may serve it, roll back to it or be loading it."""
     (staging / JOURNAL_NAME).unlink(missing_ok=True)
     if last is not None:
         write_synced(staging / last[0], last[1])
@@ -311,12 +318,9 @@ def _place(staging: Path, root: Path, name: str, last: tuple[str, bytes] | None)
         fsync_dir(directory)
     root.mkdir(parents=True, exist_ok=True)
     final = root / name
-    replaced = root / f".replaced-{name}-{time.time_ns()}"
-    had_one = final.exists()
-    if had_one:  # rewritten in the store since it was downloaded: the new one replaces it
-        os.rename(final, replaced)
+    if os.path.lexists(final):  # this content, placed before (its name says so): keep that one
+        shutil.rmtree(staging, ignore_errors=True)
+        return final
     os.rename(staging, final)
     fsync_dir(root)
-    if had_one:
-        shutil.rmtree(replaced, ignore_errors=True)
     return final

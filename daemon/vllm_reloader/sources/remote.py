@@ -46,6 +46,7 @@ class Downloaded:
     """A checkpoint was placed in the checkpoint root: gate it now."""
 
     name: str
+    """Its directory there (`NAME@<fingerprint>`)."""
 
 
 @dataclass(frozen=True)
@@ -200,10 +201,12 @@ class RemoteSource:
             return
         self._clear("source")
         placed = self._placed()
-        self._clean_staging(set(self.seen) - set(placed))
         candidates = {
-            name: seen.candidate for name, seen in self.seen.items() if placed.get(name) != seen.fingerprint
+            name: seen.candidate
+            for name, seen in self.seen.items()
+            if not any(seen.fingerprint.startswith(fp) for fp in placed.get(name, ()) if fp)
         }
+        self._clean_staging({order.placed_name(name, self.seen[name].fingerprint) for name in candidates})
         rejected = {**self.rejected(), **self.rejected_here}
         waiting: dict[str, str] = {}
         for candidate in order.to_try(candidates, serving=self.serving(), rejected=rejected):
@@ -229,16 +232,20 @@ class RemoteSource:
                 self._reject(name, manifest, verdict)
         self.pending = waiting
 
-    def _placed(self) -> dict[str, str]:
-        """Checkpoints already in the cache, by the fingerprint of what was downloaded: one
-        rewritten in the store since (another manifest) is a candidate again."""
-        found = {}
+    def _placed(self) -> dict[str, set[str]]:
+        """The contents of each name already in the cache (their fingerprints, as the placed
+        directories' names give them): a name rewritten in the store since is a candidate again.
+        A directory of an earlier release (placed as NAME) is fingerprinted from its files."""
+        found: dict[str, set[str]] = {}
         root = self.config.checkpoint_root
-        for name in local.list_candidates(root, ()):
-            try:
-                found[name] = completeness.fingerprint(DirectoryListing(root / name), self.convention)
-            except OSError:
-                found[name] = ""
+        for directory in local.list_candidates(root, ()):
+            name, fingerprint = order.split_placed(directory)
+            if not fingerprint:
+                try:
+                    fingerprint = completeness.fingerprint(DirectoryListing(root / name), self.convention)
+                except OSError:
+                    continue
+            found.setdefault(name, set()).add(fingerprint)
         return found
 
     def _objects_by_head(self, name: str, problem: str) -> dict[str, Object]:
@@ -330,6 +337,7 @@ class RemoteSource:
                 root=self.config.checkpoint_root,
                 plan=plan,
                 stop=self.stop,
+                place_as=order.placed_name(name, seen.fingerprint),
             )
         except Cancelled:
             return
@@ -354,7 +362,7 @@ class RemoteSource:
             seconds=round(fetched.seconds, 3),
             mb_per_s=round(fetched.fetched_bytes / fetched.seconds / 1e6, 1) if fetched.seconds else None,
         )
-        self.post(Downloaded(name))
+        self.post(Downloaded(fetched.path.name if fetched.path else name))
 
     def _remember(
         self, directory: Path, digests: Mapping[str, str], scanned: Mapping[str, str | None]
@@ -376,7 +384,7 @@ class RemoteSource:
             self.verified_files.put(result)
 
     def _clean_staging(self, keep: set[str]) -> None:
-        """Partial downloads of checkpoints that are gone from the store, or already placed."""
+        """Partial downloads of contents no longer in the store, or already placed."""
         try:
             leftovers = [p for p in self.staging_root.iterdir() if p.name not in keep]
         except FileNotFoundError:
