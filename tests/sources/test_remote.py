@@ -597,3 +597,51 @@ def test_remote_download_with_nan_weights_is_rejected_from_its_streaming_scan(
     verdict = gate.check(harness.placed("step-5"), serving=None, run=run)
     assert verdict.status == "rejected" and verdict.details["check"] == "finite"
     assert run.progress.cached == run.progress.done > 0, "known from the download, not read again"
+
+
+# -- candidates that fail for reasons of their own: rejected once, the next one loads ----------
+
+
+def test_remote_oversized_manifest_is_never_read_rejected_once_and_older_ones_load(
+    tmp_path, bucket: Bucket, make_checkpoint, monkeypatch
+):
+    harness = Harness(tmp_path, bucket.url)
+    bucket.upload_dir(make_checkpoint("a-1", root=tmp_path / "src", seed=1), "a-1")
+    padded = b'{"format_version": 1, "files": [{"path": "model.safetensors", "size": 1}]}'
+    bucket.put("b-2/model.safetensors", b"x")
+    bucket.put("b-2/manifest.json", padded + b" " * (16 << 20))  # the newest by name, no step
+    got: list[str] = []
+    real_get = harness.source.store.get
+    monkeypatch.setattr(harness.source.store, "get", lambda key: (got.append(key), real_get(key))[1])
+    for _ in range(3):
+        harness.source.poll()
+    assert "b-2/manifest.json" not in got, "a completing object over 16 MiB is never fetched"
+    assert [(r["name"], r["check"]) for r in harness.rejected()] == [("b-2", "manifest")]
+    assert "more than" in harness.rejected()[0]["reason"]
+    assert harness.fetched() == ["a-1"], "the older good version is not held back"
+
+
+def test_remote_name_too_long_for_the_filesystem_is_rejected_once_and_older_ones_load(
+    tmp_path, bucket: Bucket, make_checkpoint
+):
+    harness = Harness(tmp_path, bucket.url)
+    bucket.upload_dir(make_checkpoint("a-1", root=tmp_path / "src", seed=1), "a-1")
+    long_name = "z" * 300  # S3 allows 1024 bytes; a directory name, 255
+    bucket.upload_dir(make_checkpoint("long", root=tmp_path / "src", seed=2), long_name)
+    for _ in range(3):
+        harness.source.poll()
+    assert [r["name"] for r in harness.rejected()] == [long_name]
+    assert "too long" in harness.rejected()[0]["reason"]
+    assert harness.fetched() == ["a-1"]
+
+
+def test_remote_name_the_catalog_would_skip_is_never_downloaded(tmp_path, bucket: Bucket, make_checkpoint):
+    harness = Harness(tmp_path, bucket.url)
+    bucket.upload_dir(make_checkpoint("a-1", root=tmp_path / "src", seed=1), "a-1")
+    hidden = "b-2\u200b"  # a format character: invisible in every log line
+    bucket.upload_dir(make_checkpoint("fmt", root=tmp_path / "src", seed=2), hidden)
+    for _ in range(3):
+        harness.source.poll()
+    assert [r["name"] for r in harness.rejected()] == [hidden]
+    assert harness.fetched() == ["a-1"]
+    assert [order.base_name(p.name) for p in harness.root.iterdir()] == ["a-1"]

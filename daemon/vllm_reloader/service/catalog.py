@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import stat
 import time
-import unicodedata
 from collections.abc import Iterable, Sequence, Set
 from pathlib import Path
 
@@ -63,7 +62,7 @@ class Catalog:
     def refresh(self, names: Iterable[str]) -> None:
         for name in names:
             directory = self.root / name
-            if (unusable := _unusable(name)) is not None:
+            if (unusable := local.unusable_name(name)) is not None:
                 if name not in self.skipped:
                     self.skipped.add(name)
                     self.log.warning("checkpoint.skipped", name=repr(name), reason=unusable)
@@ -173,19 +172,6 @@ class Catalog:
         if name_or_version in self.candidates:
             return name_or_version
         return next((n for n in self.candidates if version_of(self.root / n) == name_or_version), None)
-
-
-def _unusable(name: str) -> str | None:
-    """Why a directory name can never be a checkpoint's: it becomes the weight version, a
-    state file key and a log field, so no undecodable bytes (they arrive as surrogates, and
-    the state file could not be written) and no control characters."""
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return "name is not valid UTF-8"
-    if any(unicodedata.category(char)[0] == "C" for char in name):
-        return "name holds control characters"
-    return None
 
 
 def _real_directory(directory: Path) -> bool:

@@ -300,7 +300,9 @@ def fetch(
                 return Fetched(None, bad, download.fetched, download.reused, seconds)
             digests = {p: s["blake3"].hexdigest() for p, s in download.states.items() if "blake3" in s}
             scanned = {p: scan.found for p, scan in download.scans.items() if scan.scanned}
-            placed = _place(staging, root, place_as, last)
+            placed, new = _place(staging, root, place_as, last)
+            if not new:  # what was checked here is not what is there: the gate reads that itself
+                digests, scanned = {}, {}
             return Fetched(placed, "", download.fetched, download.reused, seconds, digests, scanned)
     except OSError as exc:
         where = exc.filename or staging
@@ -308,9 +310,10 @@ def fetch(
     raise AssertionError("unreachable")
 
 
-def _place(staging: Path, root: Path, name: str, last: tuple[str, bytes] | None) -> Path:
+def _place(staging: Path, root: Path, name: str, last: tuple[str, bytes] | None) -> tuple[Path, bool]:
     """The completing file last, everything fsynced, then one rename into the root. Never over
-    a directory that is there: an engine may serve it, roll back to it or be loading it."""
+    a directory that is there: an engine may serve it, roll back to it or be loading it.
+    Returns where it is, and whether these bytes were placed (False: it was there)."""
     (staging / JOURNAL_NAME).unlink(missing_ok=True)
     if last is not None:
         write_synced(staging / last[0], last[1])
@@ -320,7 +323,7 @@ def _place(staging: Path, root: Path, name: str, last: tuple[str, bytes] | None)
     final = root / name
     if os.path.lexists(final):  # this content, placed before (its name says so): keep that one
         shutil.rmtree(staging, ignore_errors=True)
-        return final
+        return final, False
     os.rename(staging, final)
     fsync_dir(root)
-    return final
+    return final, True

@@ -8,9 +8,11 @@ inotify queue can overflow and a poll can miss a rename.
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import os
 import re
+import unicodedata
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -39,6 +41,34 @@ NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "ceph", "glusterfs",
 def is_ignored(name: str, ignore: Iterable[str] = ()) -> bool:
     patterns = (*ALWAYS_IGNORED, *ignore)
     return name.startswith(".") or any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def unusable_name(name: str) -> str | None:
+    """Why a name can never be a checkpoint's: it becomes the weight version, a state file key
+    and a log field, so no undecodable bytes (they arrive as surrogates, and the state file
+    could not be written) and no control or format characters."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return "name is not valid UTF-8"
+    if any(unicodedata.category(char)[0] == "C" for char in name):
+        return "name holds control characters"
+    return None
+
+
+def name_too_long(root: Path, directory: str) -> str | None:
+    """Why `directory` cannot be made in `root` (an object store allows 1024-byte names)."""
+    try:
+        limit = os.pathconf(root if root.exists() else root.parent, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    if len(os.fsencode(directory)) > limit:
+        return f"name is too long for {root}: {len(os.fsencode(directory))} bytes, at most {limit}"
+    return None
+
+
+OWN_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EINVAL, errno.EISDIR, errno.ENOTDIR, errno.EILSEQ})
+"""A download failing with one of these fails for its own names or paths: no retry fixes it."""
 
 
 def candidate_name(root: Path, path: str, ignore: Iterable[str]) -> str | None:

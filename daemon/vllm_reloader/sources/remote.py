@@ -29,7 +29,7 @@ from typing import Any
 
 from .. import log
 from ..checkpoint import completeness, order, verified
-from ..checkpoint.completeness import DirectoryListing, Incomplete, Listed
+from ..checkpoint.completeness import MAX_LISTING_BYTES, DirectoryListing, Incomplete, Listed
 from ..checkpoint.files import RACY_NS, SINGLE_NAME, identity, size_from_header
 from ..checkpoint.manifest import MANIFEST_NAME, Manifest, path_problem
 from ..checkpoint.manifest import parse as parse_manifest
@@ -72,6 +72,9 @@ class Seen:
     etag: str | None
     data: bytes
     candidate: order.Candidate
+    problem: str = ""
+    """Why it can never load, known before anything is read (a completing object too large to
+    be one): rejected once, by a fingerprint of the object's size and ETag."""
 
     @property
     def fingerprint(self) -> str:
@@ -212,6 +215,10 @@ class RemoteSource:
         for candidate in order.to_try(candidates, serving=self.serving(), rejected=rejected):
             name = candidate.name
             seen = self.seen[name]
+            if problem := self._own_problem(name, seen):
+                check = "manifest" if seen.problem else "paths"
+                self._reject(name, None, Incomplete("rejected", problem, seen.fingerprint, check))
+                continue  # rejected once; the next one may load
             bucket = self._listing(name, by_name[name], seen.signal, seen.data)
             try:
                 if not self._cleared(name, records.get(name, {}), seen, waiting):
@@ -231,6 +238,14 @@ class RemoteSource:
                 manifest = None if isinstance(listed, Incomplete) else listed.manifest
                 self._reject(name, manifest, verdict)
         self.pending = waiting
+
+    def _own_problem(self, name: str, seen: Seen) -> str:
+        """Why this candidate can never be placed, whatever a retry does: not one that holds
+        older good versions back at every poll."""
+        if seen.problem:
+            return seen.problem
+        directory = order.placed_name(name, seen.fingerprint)
+        return local.unusable_name(name) or local.name_too_long(self.config.checkpoint_root, directory) or ""
 
     def _placed(self) -> dict[str, set[str]]:
         """The contents of each name already in the cache (their fingerprints, as the placed
@@ -259,6 +274,8 @@ class RemoteSource:
         if head is None:
             return {}
         objects = {MANIFEST_NAME: head}
+        if head.size > MAX_LISTING_BYTES:
+            return objects  # judged (and rejected) by its size, never read
         try:
             manifest = parse_manifest(self.store.get(f"{name}/{MANIFEST_NAME}")[0])
         except (NotJSONYet, ManifestInvalid):
@@ -299,14 +316,19 @@ class RemoteSource:
                 self.seen.pop(name, None)
                 continue
             listed, known = objects[signal], self.seen.get(name)
+            if known is None:
+                self.log.info("checkpoint.seen", name=name, path=f"{self.config.source.path}/{name}")
+            if signal != SINGLE_NAME and listed.size > MAX_LISTING_BYTES:  # never read whole
+                problem = f"{signal} has {listed.size} bytes; more than {MAX_LISTING_BYTES} is not one"
+                fp = completeness.fingerprint_of(f"{signal}\0{listed.size}\0{listed.etag}".encode())
+                self.seen[name] = Seen(signal, listed.etag, b"", order.Candidate(name, None, fp), problem)
+                continue
             if known is not None and known.signal == signal and known.etag == listed.etag is not None:
                 data, etag = known.data, known.etag
             elif signal == SINGLE_NAME:
                 data, etag = b"", listed.etag
             else:
                 data, etag = self.store.get(f"{name}/{signal}")
-            if known is None:
-                self.log.info("checkpoint.seen", name=name, path=f"{self.config.source.path}/{name}")
             listing = self._listing(name, objects, signal, data)
             self.seen[name] = Seen(signal, etag, data, completeness.candidate(name, listing, self.convention))
 
@@ -341,7 +363,14 @@ class RemoteSource:
             )
         except Cancelled:
             return
-        except (SourceError, DownloadError) as exc:
+        except DownloadError as exc:
+            if isinstance(exc.__cause__, OSError) and exc.__cause__.errno in local.OWN_ERRNOS:
+                own = Incomplete("rejected", str(exc), listed.fingerprint, "paths")
+                self._reject(name, listed.manifest, own)
+                return  # its own names or paths: no retry fixes it
+            self._report("download", str(exc), name=name, retry_in_s=self.config.source.interval)
+            return
+        except SourceError as exc:
             self._report("download", str(exc), name=name, retry_in_s=self.config.source.interval)
             return
         self._clear("download")
