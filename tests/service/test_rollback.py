@@ -3,6 +3,7 @@ startup model, never a missing path, never another layout; none left is said lou
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 
@@ -123,3 +124,47 @@ def test_rollback_pick_skips_what_changed_or_vanished(make_checkpoint, tmp_path)
     shutil.rmtree(kept)
     found, passed = rollback.pick(targets, baseline=None)
     assert found is None and passed["step-1"].endswith("is gone")
+
+
+def test_rollback_target_whose_metadata_moved_is_read_again_and_still_used(
+    start, root, tmp_path, make_checkpoint
+):
+    """`chmod g+r` (as the README tells trainers) and a backup's hard link change no byte, but
+    move every file's ctime: the target's bytes are read again, and it is still the way back."""
+    startup = make_checkpoint("startup", root=tmp_path / "models")
+    engine = FakeEngine(startup=str(startup))
+    running = start(engine)
+    running.wait_for("engine.reconciled")
+    make_checkpoint("step-1", step=1, root=root, seed=1)
+    running.wait_for("reload.succeeded", version="step-1")
+    for path in (root / "step-1").iterdir():
+        path.chmod(0o640)
+    os.link(root / "step-1" / "manifest.json", tmp_path / "backup-manifest.json")
+    engine.garbage.add(str(root / "step-2"))
+    make_checkpoint("step-2", step=2, root=root, seed=2)
+    again = running.wait_for("rollback.reverified", name="step-1")
+    assert again["same_bytes"] is True
+    rolled = running.wait_for("reload.rolled_back", version="step-2")
+    assert rolled["to_version"] == "step-1" and engine.loaded == str(root / "step-1")
+    assert not running.events("reload.canary_failed_no_fallback")
+
+
+def test_rollback_target_whose_bytes_changed_at_the_same_size_is_not_used(
+    start, root, tmp_path, make_checkpoint
+):
+    startup = make_checkpoint("startup", root=tmp_path / "models")
+    engine = FakeEngine(startup=str(startup))
+    running = start(engine)
+    running.wait_for("engine.reconciled")
+    make_checkpoint("step-1", step=1, root=root, seed=1)
+    running.wait_for("reload.succeeded", version="step-1")
+    shard = next(p for p in (root / "step-1").iterdir() if p.suffix == ".safetensors")
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # one bit of one weight, same size
+    shard.write_bytes(bytes(data))
+    engine.garbage.add(str(root / "step-2"))
+    make_checkpoint("step-2", step=2, root=root, seed=2)
+    again = running.wait_for("rollback.reverified", name="step-1")
+    assert again["same_bytes"] is False and "mismatch" in again["reason"]
+    rolled = running.wait_for("reload.rolled_back", version="step-2")
+    assert rolled["to_version"] == "default" and engine.loaded == str(startup), "the startup model instead"

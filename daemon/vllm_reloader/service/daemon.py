@@ -37,6 +37,7 @@ from .messages import (
     Message,
     Rejected,
     ReloadFinished,
+    Reverified,
     ShardWritten,
     SignalReceived,
     WarmedUp,
@@ -260,6 +261,8 @@ class Daemon:
                 self.reloader.gated(message, act=self.stopping_since is None)
             case ReloadFinished(outcome):
                 self.reloader.finished(outcome)
+            case Reverified():
+                self.reloader.reverified(message)
             case WarmedUp(seconds, problem, engine):
                 self.log.info("engine.warmed", ms=round(seconds * 1000, 1), problem=problem, engine=engine)
             case ControlRequest(request, reply):

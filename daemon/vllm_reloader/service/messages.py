@@ -15,6 +15,7 @@ from ..sources.remote import Downloaded, Rejected
 from .control import Reply
 from .gating import GateFinished
 from .jobs import Outcome, WarmedUp
+from .reverify import Reverified
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ Message = (
     | GateFinished
     | ReloadFinished
     | WarmedUp
+    | Reverified
     | ControlRequest
     | SignalReceived
 )
@@ -70,6 +72,7 @@ __all__ = [
     "Message",
     "Rejected",
     "ReloadFinished",
+    "Reverified",
     "ShardWritten",
     "SignalReceived",
     "WarmedUp",

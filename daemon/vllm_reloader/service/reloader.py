@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .. import failpoints, log
 from ..checkpoint import gate, order
+from ..checkpoint.files import Identity
 from ..config import Config
 from ..engine.client import RELOADING_PREFIX, STARTUP_VERSION, EngineClient
 from ..sources.verdicts import Verdict
@@ -29,6 +30,7 @@ from .gating import GateFinished, Gater, Gating
 from .jobs import Job, Outcome, WarmedUp, WarmUp
 from .messages import ReloadFinished
 from .metrics import Metrics
+from .reverify import Reverified, Reverifier
 from .served import Served
 from .state import Loaded, State, StateFile
 from .status import Snapshot
@@ -47,7 +49,7 @@ class Reloader:
     def __init__(
         self,
         config: Config,
-        post: Callable[[ReloadFinished | GateFinished | WarmedUp], None],
+        post: Callable[[ReloadFinished | GateFinished | WarmedUp | Reverified], None],
         clients: Mapping[str, EngineClient] | None = None,
         on_verdict: Callable[[Verdict], None] | None = None,
     ) -> None:
@@ -78,6 +80,7 @@ class Reloader:
         self.ready: Ready | None = None
         self.next_rescan = 0.0
         self.gater = Gater(post, config.gate.digest_threads)
+        self.reverifier = Reverifier(post)
 
     # -- the first engine: the canary engine, whose history is the host's ----------------------
 
@@ -104,14 +107,16 @@ class Reloader:
     def start(self) -> None:
         self.engines.start()
         self.gater.start()
+        self.reverifier.start()
 
     def is_alive(self) -> bool:
-        return self.engines.is_alive() and self.gater.is_alive()
+        return self.engines.is_alive() and self.gater.is_alive() and self.reverifier.is_alive()
 
     def close(self) -> None:
         if self.gating is not None:
             self.gating.cancel.set()
         self.gater.close()
+        self.reverifier.close()
         self.engines.close()
 
     def reconfigure(self, config: Config) -> None:
@@ -279,7 +284,13 @@ class Reloader:
         return True
 
     def _rollback_target(self, engine: Engine, skip: str | None = None) -> Loaded | None:
-        target = rollback.choose(engine.served, self.root, self.catalog.candidates, skip=skip, log=engine.log)
+        options = gate.GateOptions.from_config(self.config)
+
+        def reverify(target: Loaded, now: tuple[Identity, ...]) -> None:
+            self.reverifier.submit(target, now, engine.served.baseline, options)
+
+        served, candidates = engine.served, self.catalog.candidates
+        target = rollback.choose(served, self.root, candidates, skip=skip, log=engine.log, reverify=reverify)
         self.metrics.rollback_ready.labels(engine=engine.url).set(1 if target else 0)
         return target
 
@@ -295,6 +306,9 @@ class Reloader:
         if served.baseline is None or not served.reconciled or canary.in_flight is not None:
             return
         if self.ready is not None and self._room() > 0:
+            self._rollback_target(canary, skip=self.ready.candidate.name)  # moved targets: read again
+            if self.reverifier.under_way:
+                return  # load once the rollback target's bytes are known
             ready, self.ready = self.ready, None
             self._load(canary, ready.candidate, ready.loading, ready.size)
             return
@@ -365,6 +379,20 @@ class Reloader:
         if lag_ms is not None and candidate.fingerprint:  # not for restores of old checkpoints
             self.metrics.detection_lag.observe(lag_ms / 1000)
         engine.load(candidate, loading, size, fallback, self.config, detect_ms=lag_ms)
+
+    def reverified(self, result: Reverified) -> None:
+        """A rollback target's bytes were read again: the same ones take their new identities."""
+        self.reverifier.done(result)
+        fields = {"name": result.name, "fingerprint": result.fingerprint, "seconds": round(result.seconds, 3)}
+        if result.files is None:
+            self.log.warning("rollback.reverified", same_bytes=False, reason=result.reason, **fields)
+        else:
+            self.log.info("rollback.reverified", same_bytes=True, **fields)
+            for engine in self.engines:
+                engine.served.reidentified(result.name, result.fingerprint, result.files)
+            self._persist()
+        for engine in self.engines:
+            self._rollback_target(engine)
 
     def prune_cache(self) -> None:
         """Downloads only (a local root is the trainer's): keep what serves or may be rolled back to."""

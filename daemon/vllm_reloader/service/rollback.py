@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint import layout, order
-from ..checkpoint.files import changed
+from ..checkpoint.files import Identity, changed
 from ..engine.client import STARTUP_VERSION
 from ..errors import LayoutUnreadable
 from . import reconcile
+from .reverify import moved
 from .served import Served
 from .state import Loaded
 
@@ -43,23 +44,41 @@ def problem(target: Loaded, baseline: layout.Layout | None) -> str | None:
     return None
 
 
+Reverify = Callable[[Loaded, tuple[Identity, ...]], object]
+"""Read a target whose files' metadata moved (to these identities) again, off the loop."""
+
+
 def pick(
-    targets: Iterable[Loaded], baseline: layout.Layout | None, *, skip: str | None = None
+    targets: Iterable[Loaded],
+    baseline: layout.Layout | None,
+    *,
+    skip: str | None = None,
+    reverify: Reverify | None = None,
 ) -> tuple[Loaded | None, dict[str, str]]:
     """The first usable target (newest first), and why each one before it was passed over.
-    `skip`: a checkpoint name never to go back to (the one that just failed)."""
+    `skip`: a checkpoint name never to go back to (the one that just failed). A target whose
+    files moved but kept their sizes is passed over while `reverify` reads its bytes."""
     passed: dict[str, str] = {}
     for target in targets:
         if target.name == skip:
             continue
         if (why := problem(target, baseline)) is None:
             return target, passed
+        if reverify is not None and (now := moved(target)) is not None:
+            reverify(target, now)
+            why = f"{why}; reading its bytes again (only a change of bytes disqualifies it)"
         passed[target.version] = why
     return None, passed
 
 
 def choose(
-    served: Served, root: Path, candidates: Mapping[str, order.Candidate], *, skip: str | None, log: Any
+    served: Served,
+    root: Path,
+    candidates: Mapping[str, order.Candidate],
+    *,
+    skip: str | None,
+    log: Any,
+    reverify: Reverify | None = None,
 ) -> Loaded | None:
     """The newest intact checkpoint that passed its canary, else the engine's startup model;
     logged when the answer changes (as an error when nothing is left), kept in `served`."""
@@ -68,7 +87,7 @@ def choose(
         startup = [
             reconcile.serving(STARTUP_VERSION, served.startup, known=None, root=root, candidates=candidates)
         ]
-    target, passed = pick([*served.good, *startup], served.baseline, skip=skip)
+    target, passed = pick([*served.good, *startup], served.baseline, skip=skip, reverify=reverify)
     found = target.version if target else None
     if target is None and (found != served.rollback or passed):
         reason = "no intact checkpoint that passed its canary, and no usable startup model"

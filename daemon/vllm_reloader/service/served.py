@@ -8,10 +8,12 @@ One owner, the reloader on the main loop; `status` sees it through a snapshot.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..checkpoint import layout, order
+from ..checkpoint.files import Identity
 from .state import Loaded
 
 
@@ -73,6 +75,17 @@ class Served:
     @property
     def last_good(self) -> Loaded | None:
         return self.good[0] if self.good else None
+
+    def reidentified(self, name: str, fingerprint: str, files: Mapping[str, Identity]) -> None:
+        """The files of a checkpoint that passed its canary were shown to hold the same bytes
+        under new identities (`reverify`): use those from now on."""
+
+        def renewed(loaded: Loaded) -> Loaded:
+            same = (loaded.name, loaded.fingerprint) == (name, fingerprint)
+            return loaded.model_copy(update={"files": dict(files)}) if same else loaded
+
+        self.good = tuple(renewed(g) for g in self.good)
+        self.serving = renewed(self.serving) if self.serving is not None else None
 
     def loaded(self, serving: Loaded | None, good: Loaded | None = None) -> None:
         """What the engine holds now; `good` passed its canary: the newest rollback target."""
