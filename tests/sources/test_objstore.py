@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.support.store_fixtures import Bucket
@@ -49,3 +51,42 @@ def test_config_accepts_object_store_urls_and_refuses_other_schemes(tmp_path):
         assert cfg.checkpoint_root == tmp_path / "cache" / "checkpoints"
     with pytest.raises(ConfigError, match=r"source\.path: .*unsupported scheme"):
         config.parse('[source]\npath = "http://x/y"\n[engine]\nurl = "http://e"\n[state]\ndir = "/s"\n')
+
+
+def test_objstore_create_is_one_conditional_put_even_above_the_multipart_threshold(
+    bucket: Bucket, tmp_path, monkeypatch
+):
+    """obstore uploads a file larger than its chunk size in parts, with no condition; with
+    `mode="create"` it sends one PUT with `If-None-Match: *` instead (the whole file in memory).
+    The chunk size is lowered here so that a small file is over the threshold."""
+    import hashlib
+
+    import obstore
+
+    real_put = obstore.put
+    chunk = 64 << 10
+
+    def small_chunks(*args, **kwargs):  # type: ignore[no-untyped-def]
+        return real_put(*args, **kwargs, chunk_size=chunk)
+
+    monkeypatch.setattr(obstore, "put", small_chunks)
+    data = os.urandom(3 * chunk + 1)
+    path = tmp_path / "big.bin"
+    path.write_bytes(data)
+    store = Store(bucket.url)
+    assert store.create("v1/big.bin", path) is True
+    head = bucket.client.head_object(Bucket=bucket.name, Key="runs/v1/big.bin")
+    assert head["ETag"].strip('"') == hashlib.md5(data).hexdigest(), "one PUT, not a multipart upload"
+    path.write_bytes(b"other bytes")
+    assert store.create("v1/big.bin", path) is False
+    assert store.create("v1/big.bin", b"other bytes") is False
+    assert bucket.client.get_object(Bucket=bucket.name, Key="runs/v1/big.bin")["Body"].read() == data
+
+
+def test_objstore_delete_removes_the_keys_given_and_no_other(bucket: Bucket):
+    for key in ("v1/a", "v1/b", "v1/c"):
+        bucket.put(key, b"x")
+    store = Store(bucket.url)
+    store.delete(["v1/a", "v1/c"])
+    store.delete([])
+    assert bucket.listed() == ["v1/b"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,26 @@ class Store:
         except (BaseError, OSError) as exc:
             raise self._fail("PUT", key, exc) from exc
         return True
+
+    def delete(self, keys: Sequence[str]) -> None:
+        """Remove these objects (in bulk where the store can); one that is already gone is no
+        error, on any store."""
+        if not keys:
+            return
+        try:
+            obstore.delete(self._store, list(keys))
+            return
+        except (NotFoundError, FileNotFoundError):
+            pass  # GCS and Azure refuse a batch naming a missing object: one at a time, then
+        except (BaseError, OSError) as exc:
+            raise self._fail("DELETE", keys[0], exc) from exc
+        for key in keys:
+            try:
+                obstore.delete(self._store, key)
+            except (NotFoundError, FileNotFoundError):
+                pass
+            except (BaseError, OSError) as exc:
+                raise self._fail("DELETE", key, exc) from exc
 
 
 def _object(meta: Any) -> Object:

@@ -1,25 +1,40 @@
-"""The producer side: place a checkpoint into a root so that it appears whole or not at all.
+"""The producer side: place a checkpoint into a root so that it appears whole or not at all,
+and never destroy what this publish did not create.
 
-Into an object store (`publish_remote`): every file is uploaded first, the manifest last
-with a conditional create (`If-None-Match: *`), so a version is never overwritten and the
-daemon, which only looks at manifests, never sees a checkpoint before its files.
+Into an object store (`publish_remote`): every object goes up create-only (`If-None-Match: *`,
+decided by the store), the files first and the manifest last, so no object of a version is ever
+overwritten, and the daemon, which only looks at a version once its manifest exists, never sees
+one before its files. Of two publishers of one name, the loser fails on the first key it finds
+taken, with a one-line `PublishError` naming it, and deletes only the objects it created itself;
+a failure midway does the same. When the manifest's create says an object is there and its bytes
+are this publish's own (its PUT landed, the answer was lost, the retry found it), the publish
+succeeded. Shards a crashed publish left (no manifest) are never taken over or removed: the error
+says to delete them. The cost: a create-only upload is one PUT, never multipart, so each file is
+read whole into memory (once: its digest is of the bytes sent) and, on S3, may be at most 5 GiB.
 
-Into a local root (`publish`): files go to `ROOT/.incoming-NAME/` (ignored by the daemon),
-each fsynced; the manifest is written last and fsynced; then one rename makes `ROOT/NAME`
-appear, and ROOT is fsynced so the rename survives a crash. A failure removes the incoming directory.
+Into a local root (`publish`): the publish that creates `ROOT/.incoming-NAME/` (a plain mkdir:
+it fails if the directory exists) owns it, and only it ever removes it; one that finds it there
+fails and touches nothing. Files go there (ignored by the daemon), each fsynced; the manifest is
+written last and fsynced; then one rename makes `ROOT/NAME` appear, and ROOT is fsynced so the
+rename survives a crash. A failure puts `--move`d files back and removes the incoming directory.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import blake3
 
 from ..checkpoint.manifest import MANIFEST_NAME, Manifest, ManifestFile, dumps
 from ..durable import fsync_dir, write_synced
-from ..errors import PublishError
+from ..errors import PublishError, SourceError
+
+if TYPE_CHECKING:
+    from ..sources.objstore import Store
 
 COPY_CHUNK = 8 << 20
 
@@ -85,6 +100,35 @@ def _put_back(moved: list[Path], src: Path, incoming: Path) -> list[Path]:
     return stranded
 
 
+S3_ONE_PUT_MAX = 5 << 30
+"""The most S3 (and the stores speaking its protocol) takes in one PUT."""
+
+
+class _Taken(Exception):
+    """A key some other writer created first."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _read_and_hash(path: Path) -> tuple[bytes, str]:
+    """The whole file and the blake3 of exactly those bytes (they are what gets uploaded)."""
+    data = path.read_bytes()
+    return data, str(blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest())
+
+
+def _remove_created(store: Store, created: list[str], name: str, where: str, failure: str) -> None:
+    """Delete the objects this publish created (no one else ever writes to those keys)."""
+    try:
+        store.delete(created)
+    except SourceError as exc:
+        raise PublishError(
+            f"publishing {name}: {failure}; the {len(created)} objects it created could not be removed "
+            f"({exc}): if {where}/{MANIFEST_NAME} does not exist, delete everything under {where}/"
+        ) from exc
+
+
 def publish_remote(
     src: Path, url: str, *, name: str | None = None, step: int | None = None, endpoint_url: str | None = None
 ) -> str:
@@ -93,18 +137,55 @@ def publish_remote(
     if not src.is_dir():
         raise PublishError(f"{src}: not a directory")
     name = _checked_name(name or default_name(src, step))
+    files = _source_files(src)
+    if url.startswith("s3://"):
+        for path in files:
+            if (size := path.stat().st_size) > S3_ONE_PUT_MAX:
+                raise PublishError(
+                    f"{path}: {size} bytes; every file goes up create-only, in one PUT, and S3 takes "
+                    "at most 5 GiB in one: save the checkpoint in smaller shards"
+                )
     store = Store(url, endpoint_url=endpoint_url)
-    if store.exists(f"{name}/{MANIFEST_NAME}"):
-        raise PublishError(f"{store.url}/{name} already exists; versions are never overwritten")
-    entries = []
-    for path in _source_files(src):
-        relative = path.relative_to(src).as_posix()
-        digest, size = _hash_and_sync(path)
-        entries.append(ManifestFile(path=relative, size=size, blake3=digest))
-        store.put(f"{name}/{relative}", path)
-    manifest = Manifest(format_version=1, version=name, step=step, files=tuple(entries))
-    store.put(f"{name}/{MANIFEST_NAME}", dumps(manifest), create_only=True)
-    return f"{store.url}/{name}"
+    where, manifest_key = f"{store.url}/{name}", f"{name}/{MANIFEST_NAME}"
+    if store.exists(manifest_key):
+        raise PublishError(f"{where} already exists; versions are never overwritten")
+    created: list[str] = []  # by this publish: the only objects it may ever delete
+    try:
+        entries = []
+        for path in files:
+            relative = path.relative_to(src).as_posix()
+            data, digest = _read_and_hash(path)
+            entries.append(ManifestFile(path=relative, size=len(data), blake3=digest))
+            if not store.create(f"{name}/{relative}", data):
+                raise _Taken(f"{name}/{relative}")
+            created.append(f"{name}/{relative}")
+            del data  # one file in memory at a time
+        manifest = dumps(Manifest(format_version=1, version=name, step=step, files=tuple(entries)))
+    except _Taken as taken:
+        message = (
+            f"{store.url}/{taken.key} already exists; versions are never overwritten (if {where}/"
+            f"{MANIFEST_NAME} does not exist and no publish of {name} is running, a crashed one left it: "
+            f"delete everything under {where}/ and publish again)"
+        )
+        _remove_created(store, created, name, where, message)
+        raise PublishError(message) from None
+    except BaseException as exc:
+        failure = (exc.strerror if isinstance(exc, OSError) else None) or str(exc) or type(exc).__name__
+        _remove_created(store, created, name, where, failure)
+        if isinstance(exc, OSError):  # reading a file (the store's own errors are SourceErrors)
+            raise PublishError(f"publishing {name}: {failure}") from exc
+        raise
+    try:
+        if store.create(manifest_key, manifest) or store.get(manifest_key)[0] == manifest:
+            return where  # (the second: our PUT landed, its answer was lost, and the retry found it)
+    except SourceError as exc:  # it may have landed: then every shard is needed, none is removed
+        raise PublishError(
+            f"publishing {name}: whether its manifest landed is unknown ({exc}); if {where}/"
+            f"{MANIFEST_NAME} does not exist, delete everything under {where}/ and publish again"
+        ) from exc
+    message = f"{store.url}/{manifest_key} already exists; versions are never overwritten"
+    _remove_created(store, created, name, where, message)
+    raise PublishError(f"{message} (another publish of {name} won)")
 
 
 def _checked_name(name: str) -> str:
@@ -125,13 +206,19 @@ def publish(
     files = _source_files(src)
     root.mkdir(parents=True, exist_ok=True)
     incoming = root / f".incoming-{name}"
-    if incoming.exists():
-        raise PublishError(f"{incoming} exists: another publish of {name} is running or crashed")
+    try:  # whoever creates it owns it: only that publish ever removes it
+        incoming.mkdir()
+    except FileExistsError:
+        raise PublishError(
+            f"{incoming} exists: another publish of {name} is running or crashed (if none is running, "
+            "its files are there, a --move's only copy: take what you need, remove it, publish again)"
+        ) from None
+    except OSError as exc:
+        raise PublishError(f"publishing {name}: {exc.strerror or exc}") from exc
     entries: list[ManifestFile] = []
     moved: list[Path] = []  # renamed into incoming: put back on any failure (--move)
     copied: list[Path] = []
     try:
-        incoming.mkdir()
         for path in files:
             relative = path.relative_to(src).as_posix()
             dst = incoming / relative
@@ -147,7 +234,12 @@ def publish(
         write_synced(incoming / MANIFEST_NAME, dumps(manifest))
         for directory in {(incoming / e.path).parent for e in entries}:
             fsync_dir(directory)
-        os.rename(incoming, final)
+        try:
+            os.rename(incoming, final)
+        except OSError as exc:
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):  # another publish of NAME won
+                raise PublishError(f"{final} already exists; versions are never overwritten") from exc
+            raise
     except BaseException as exc:
         if stranded := _put_back(moved, src, incoming):  # never delete what could not go back
             raise PublishError(
