@@ -65,3 +65,51 @@ def test_state_corrupt_file_is_moved_aside_not_fatal(tmp_path):
     assert found == state.State() and aside is not None
     assert aside.name.startswith("state.json.corrupt-") and aside.read_text() == '{"serving": {"name": 3'
     assert not (tmp_path / state.STATE_NAME).exists()
+
+
+def test_state_file_of_the_previous_release_keeps_pin_rejections_and_history(
+    start, root, tmp_path, make_checkpoint
+):
+    """Written before versions were content: no fingerprints anywhere. Read as it is, each
+    intact checkpoint takes its fingerprint, and the rollback history still works."""
+    from tests.support.fake_engine import FakeEngine
+    from vllm_reloader.checkpoint import completeness, gate
+    from vllm_reloader.service.control import Reply
+    from vllm_reloader.service.messages import ControlRequest
+
+    def verified(name: str) -> dict:
+        directory = root / name
+        files = gate.check(directory, serving=None).files
+        return {
+            "name": name, "version": name, "path": str(directory), "since": 1.0,
+            "step": int(name.split("-")[1]), "in_root": True, "files": {k: list(v) for k, v in files.items()},
+        }  # fmt: skip
+
+    for step in (1, 2, 3):
+        make_checkpoint(f"step-{step}", step=step, root=root, seed=step)
+    bad = completeness.fingerprint_of((root / "step-3" / "manifest.json").read_bytes())
+    old = {
+        "serving": verified("step-2"),
+        "good": [verified("step-2"), verified("step-1")],
+        "rejected": {"step-3": {"version": "step-3", "reason": "canary: NaN", "fingerprint": bad, "at": 2.0}},
+        "pinned": "step-2",
+    }
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / state.STATE_NAME).write_text(json.dumps(old))
+    engine = FakeEngine(startup=str(root / "step-1"))
+    engine.version, engine.loaded = "step-2", str(root / "step-2")
+    running = start(engine)
+    running.wait_for("engine.reconciled")
+    served = running.daemon.reloader.served
+    assert served.serving is not None and served.serving.fingerprint == completeness.fingerprint_of(
+        (root / "step-2" / "manifest.json").read_bytes()
+    )
+    assert [g.name for g in served.good] == ["step-2", "step-1"] and all(g.fingerprint for g in served.good)
+    assert running.daemon.reloader.catalog.pinned == "step-2"
+    assert running.daemon.reloader.catalog.rejected["step-3"].fingerprint == bad
+    running.daemon.inbox.put(ControlRequest({"command": "unpin"}, Reply()))  # on the loop, as `unpin` does
+    engine.garbage.add(str(root / "step-4"))
+    make_checkpoint("step-4", step=4, root=root, seed=4)
+    rolled = running.wait_for("reload.rolled_back", version="step-4")
+    assert rolled["to_version"] == "step-2"
+    assert str(root / "step-3") not in engine.calls and not any("step-3" in c for c in engine.calls)

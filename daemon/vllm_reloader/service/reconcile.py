@@ -10,13 +10,14 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..checkpoint import order
-from ..checkpoint.files import read_small
+from ..checkpoint import completeness, order
+from ..checkpoint.completeness import Convention, DirectoryListing
+from ..checkpoint.files import changed, read_small
 from ..checkpoint.manifest import MANIFEST_NAME
 from ..checkpoint.manifest import parse as parse_manifest
 from ..engine.client import RELOADING_PREFIX, STARTUP_VERSION
 from ..errors import ManifestInvalid, NotJSONYet
-from .state import Loaded
+from .state import Loaded, State
 
 
 def version_of(directory: Path) -> str:
@@ -57,12 +58,39 @@ def serving(
             since=now,
             step=candidate.step if candidate else None,
             in_root=in_root,
+            fingerprint=candidate.fingerprint if candidate else "",
         )
     if known is not None and known.version == engine_version:
         return known
     for name, candidate in candidates.items():
         if version_of(root / name) == engine_version:
             return Loaded(
-                name=name, version=engine_version, path=str(root / name), since=now, step=candidate.step
+                name=name,
+                version=engine_version,
+                path=str(root / name),
+                since=now,
+                step=candidate.step,
+                fingerprint=candidate.fingerprint,
             )
     return Loaded(name=engine_version, version=engine_version, path=startup, since=now, in_root=False)
+
+
+def with_fingerprints(saved: State, convention: Convention) -> State:
+    """A state file of the release before versions were content names no fingerprints: each
+    checkpoint whose files still have the identities it was verified with takes its directory's
+    fingerprint now (one that changed since stays without, and is no rollback target)."""
+
+    def filled(loaded: Loaded) -> Loaded:
+        if loaded.fingerprint or loaded.files is None:
+            return loaded
+        directory = Path(loaded.path)
+        try:
+            if changed(directory, loaded.files) is not None:
+                return loaded
+            fingerprint = completeness.fingerprint(DirectoryListing(directory), convention)
+        except OSError:
+            return loaded
+        return loaded.model_copy(update={"fingerprint": fingerprint})
+
+    serving = filled(saved.serving) if saved.serving is not None else None
+    return saved.model_copy(update={"serving": serving, "good": tuple(filled(g) for g in saved.good)})

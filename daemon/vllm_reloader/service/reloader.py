@@ -30,6 +30,7 @@ from .gating import GateFinished, Gater, Gating
 from .jobs import Job, Outcome, WarmedUp, WarmUp
 from .messages import ReloadFinished
 from .metrics import Metrics
+from .reconcile import with_fingerprints
 from .reverify import Reverified, Reverifier
 from .served import Served
 from .state import Loaded, State, StateFile
@@ -59,11 +60,12 @@ class Reloader:
         self.on_verdict = on_verdict
         self.log = log.get()
         self.state_file = StateFile(config.state.dir, self.log)
-        saved = self.state_file.saved
+        convention = gate.GateOptions.from_config(config).convention
+        saved = with_fingerprints(self.state_file.saved, convention)
         self.catalog = Catalog(
             config.checkpoint_root,
             ignore=config.source.ignore,
-            convention=gate.GateOptions.from_config(config).convention,
+            convention=convention,
             rejected=saved.rejected,
             pinned=saved.pinned,
         )
