@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
 
@@ -38,6 +39,11 @@ def test_metrics_count_reloads_rejections_and_engine_state(service, make_checkpo
         time.sleep(0.05)
     assert values["vllm_reloader_reloads_total{" + engine + ',result="succeeded"}'] == 1.0
     assert values["vllm_reloader_serving_step{" + engine + "}"] == 2.0
+    fingerprint = hashlib.sha256((root / "step-2" / "manifest.json").read_bytes()).hexdigest()
+    info = [k for k in values if k.startswith("vllm_reloader_serving_info{")]
+    assert info == [
+        "vllm_reloader_serving_info{" + engine + f',fingerprint="{fingerprint}",version="step-2"' + "}"
+    ], "one series per engine: what it serves now, by name and content"
     assert values["vllm_reloader_engine_up{" + engine + "}"] == 1.0
     assert values["vllm_reloader_reloaded_bytes_total{" + engine + "}"] > 0
     assert values["vllm_reloader_reload_duration_seconds_count{" + engine + "}"] == 1.0

@@ -47,6 +47,13 @@ class Metrics:
             ["cause", "engine"],
             registry=r,
         )
+        self.serving_info = Gauge(
+            "vllm_reloader_serving_info",
+            "1 for the version each engine serves, by name and content fingerprint",
+            ["engine", "version", "fingerprint"],
+            registry=r,
+        )
+        self._serving_labels: dict[str, tuple[str, str]] = {}
         self.engine_up = Gauge("vllm_reloader_engine_up", "1 when the engine answers", ["engine"], registry=r)
         self.rollback_ready = Gauge(
             "vllm_reloader_rollback_ready",
@@ -54,6 +61,16 @@ class Metrics:
             ["engine"],
             registry=r,
         )
+
+    def serving(self, engine: str, version: str, fingerprint: str) -> None:
+        """One series per engine: the version it serves now (the last one's is removed)."""
+        old = self._serving_labels.get(engine)
+        if old == (version, fingerprint):
+            return
+        if old is not None:
+            self.serving_info.remove(engine, *old)
+        self._serving_labels[engine] = (version, fingerprint)
+        self.serving_info.labels(engine=engine, version=version, fingerprint=fingerprint).set(1)
 
     def serve(self, listen: str) -> None:
         host, _, port = listen.rpartition(":")

@@ -405,6 +405,8 @@ class Reloader:
     def set_serving(self, engine: Engine, serving: Loaded | None, *, good: Loaded | None = None) -> None:
         if serving is not None and serving.step is not None:
             self.metrics.serving_step.labels(engine=engine.url).set(serving.step)
+        if serving is not None:
+            self.metrics.serving(engine.url, serving.version, serving.fingerprint)
         engine.served.loaded(serving, good)
         if engine is self.canary:
             self._persist()

@@ -166,6 +166,11 @@ def _engine_line(engine: dict[str, Any]) -> str:
     return line
 
 
+def _content(rejection: dict[str, Any]) -> str:
+    """Which content of the name was rejected: another one under the same name is tried."""
+    return f" ({rejection['fingerprint'][:16]})" if rejection.get("fingerprint") else ""
+
+
 def render(answer: dict[str, Any]) -> str:
     """The on-call view: one fact per line, reasons in full."""
     serving = answer.get("serving")
@@ -174,6 +179,8 @@ def render(answer: dict[str, Any]) -> str:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(serving["since"]))
         lines.append(f"serving   {serving['version']}  since {since} ({_ago(serving['since'])} ago)")
         lines.append(f"          {serving['path']}")
+        if serving.get("fingerprint"):
+            lines.append(f"          fingerprint {serving['fingerprint']}")
     else:
         lines.append("serving   (unknown: waiting for the engine)")
     engine = answer.get("engine", {})
@@ -206,5 +213,5 @@ def render(answer: dict[str, Any]) -> str:
     lines.append(f"pending   {len(pending)}")
     lines.extend(f"  {name}: {reason}" for name, reason in pending.items())
     lines.append(f"rejected  {len(rejected)}")
-    lines.extend(f"  {name}: {r['reason']}" for name, r in rejected.items())
+    lines.extend(f"  {name}{_content(r)}: {r['reason']}" for name, r in rejected.items())
     return "\n".join(printable(text) for text in lines)
