@@ -90,3 +90,21 @@ def test_objstore_delete_removes_the_keys_given_and_no_other(bucket: Bucket):
     store.delete(["v1/a", "v1/c"])
     store.delete([])
     assert bucket.listed() == ["v1/b"]
+
+
+def test_objstore_put_streams_a_file_larger_than_part_size_in_parts(bucket: Bucket, tmp_path):
+    """Overwriting, a `Path` or an open file longer than `part_size` goes up as a multipart
+    upload in parts of that size (moto takes 5 MiB and more); a shorter one in one PUT."""
+    data = os.urandom((10 << 20) + 1)
+    path = tmp_path / "big.bin"
+    path.write_bytes(data)
+    store = Store(bucket.url)
+    store.put("v1/from-path.bin", path, part_size=5 << 20)
+    with path.open("rb") as f:
+        store.put("v1/from-file.bin", f, part_size=6 << 20)
+    store.put("v1/one-put.bin", path, part_size=11 << 20)
+    for key, parts in (("from-path.bin", "-3"), ("from-file.bin", "-2")):
+        got = bucket.client.get_object(Bucket=bucket.name, Key=f"runs/v1/{key}")
+        assert got["ETag"].strip('"').endswith(parts) and got["Body"].read() == data
+    head = bucket.client.head_object(Bucket=bucket.name, Key="runs/v1/one-put.bin")
+    assert "-" not in head["ETag"] and head["ContentLength"] == len(data)

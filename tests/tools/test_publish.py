@@ -67,31 +67,48 @@ def test_publish_rejects_bad_names(src, tmp_path):
         publish(src, tmp_path / "root", name=".hidden")
 
 
-def test_publish_into_s3_creates_every_file_and_the_manifest_last(src, bucket, monkeypatch):
-    """Every object goes up create-only (`If-None-Match: *`): nothing is ever overwritten."""
-    from vllm_reloader.sources.objstore import Store
+def test_publish_into_s3_claims_the_name_streams_the_files_then_creates_the_manifest(
+    src, bucket, monkeypatch
+):
+    """The claim first (create-only), each file streamed up overwriting (never read whole: the
+    upload reads an open file), the manifest last (create-only), then the claim deleted."""
+    import obstore
+
     from vllm_reloader.tools.publish import publish_remote
 
-    order: list[str] = []
-    real_create = Store.create
+    calls: list[tuple[str, object, str]] = []
+    claims: list[dict[str, object]] = []
+    real_put, real_delete = obstore.put, obstore.delete
 
-    def recording_create(self, key, data):
-        order.append(key)
-        return real_create(self, key, data)
+    def recording_put(store, key, data, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(("put", kwargs.get("mode"), key))
+        if key.endswith("/.publishing"):
+            claims.append(json.loads(data))
+        assert key.endswith(("/.publishing", "/manifest.json")) or hasattr(data, "read"), "streamed"
+        return real_put(store, key, data, *args, **kwargs)
 
-    def no_overwrite(self, key, data, *, create_only=False):
-        raise AssertionError(f"{key}: uploaded with put")
+    def recording_delete(store, keys):  # type: ignore[no-untyped-def]
+        calls.extend(("delete", None, key) for key in ([keys] if isinstance(keys, str) else keys))
+        return real_delete(store, keys)
 
-    monkeypatch.setattr(Store, "create", recording_create)
-    monkeypatch.setattr(Store, "put", no_overwrite)
+    monkeypatch.setattr(obstore, "put", recording_put)
+    monkeypatch.setattr(obstore, "delete", recording_delete)
     url = publish_remote(src, bucket.url, step=3)
     assert url == f"{bucket.url}/step-3"
-    assert order[-1] == "step-3/manifest.json"
-    assert sorted(order[:-1]) == sorted(f"step-3/{p.name}" for p in src.iterdir())
+    files = sorted(f"step-3/{p.name}" for p in src.iterdir())
+    assert calls == [
+        ("put", "create", "step-3/.publishing"),
+        *(("put", "overwrite", key) for key in files),
+        ("put", "create", "step-3/manifest.json"),
+        ("delete", None, "step-3/.publishing"),
+    ]
+    assert [sorted(c) for c in claims] == [["host", "id", "pid", "started_at", "version"]]
+    assert claims[0]["pid"] == os.getpid() and claims[0]["version"] == "step-3"
     manifest = json.loads(
         bucket.client.get_object(Bucket=bucket.name, Key="runs/step-3/manifest.json")["Body"].read()
     )
     assert manifest["step"] == 3 and all(len(f["blake3"]) == 64 for f in manifest["files"])
+    assert sorted(bucket.listed()) == sorted([*files, "step-3/manifest.json"])
 
 
 def test_publish_into_s3_never_overwrites_a_version(src, bucket):
@@ -153,15 +170,20 @@ def test_publish_loser_of_the_incoming_directory_touches_nothing(src, tmp_path, 
     assert sorted(p.name for p in root.iterdir()) == [".incoming-v1"]
 
 
-def _bucket_version(bucket, name):  # type: ignore[no-untyped-def]
-    """The objects under `name` (key → bytes) and its manifest, read with the test's own client."""
-    objects = {
+def _bucket_objects(bucket, name):  # type: ignore[no-untyped-def]
+    """The objects under `name` (key → bytes), read with the test's own client."""
+    return {
         key.removeprefix(f"{name}/"): bucket.client.get_object(Bucket=bucket.name, Key=f"runs/{key}")[
             "Body"
         ].read()
         for key in bucket.listed()
         if key.startswith(f"{name}/")
     }
+
+
+def _bucket_version(bucket, name):  # type: ignore[no-untyped-def]
+    """The objects under `name` (key → bytes) and its manifest."""
+    objects = _bucket_objects(bucket, name)
     return objects, json.loads(objects["manifest.json"])
 
 
@@ -190,23 +212,39 @@ def _attempt(publish_one):  # type: ignore[no-untyped-def]
         return exc
 
 
-@pytest.mark.parametrize("interleaving", ["loser_starts_before_the_winners_manifest", "loser_checked_first"])
-def test_publish_remote_loser_never_overwrites_the_winners_shards(
+def _claim_error(bucket, name="v1"):  # type: ignore[no-untyped-def]
+    return f"{bucket.url}/{name}/.publishing exists: another publish of {name} is running or crashed"
+
+
+@pytest.mark.parametrize(
+    "interleaving",
+    [
+        "winner_whole_before_the_losers_claim",
+        "loser_while_the_winner_uploads",
+        "loser_before_the_winners_manifest",
+    ],
+)
+def test_publish_remote_loser_never_overwrites_the_winners_files(
     src, tmp_path, bucket, monkeypatch, interleaving
 ):
-    """Two trainers publish v1 at once. Either the other one starts once this one's shards are
-    up, before its manifest; or it found no manifest, then this one published whole before its
-    first upload. The winner's bytes stay and its version verifies; the loser fails on the
-    first key it finds taken and removes only the object it had created itself."""
+    """Two trainers publish v1 at once, same file names, other bytes. The other one runs whole
+    either once this one found no manifest but before it claimed the name, or once this one
+    holds the claim: while it uploads, or just before its manifest. The winner's bytes stay and
+    its version verifies; the loser fails in one line, uploads nothing, and leaves no claim."""
     import obstore
 
     from vllm_reloader.tools.publish import publish_remote
 
     other = tmp_path / "other-trainer"
     write_weights(other, shards=2, seed=1)  # same names, other bytes
-    (other / "a-theirs-only.bin").write_bytes(b"sorted first: the loser creates it, then removes it")
+    (other / "a-theirs-only.bin").write_bytes(b"sorted first: the loser would upload it first")
     real_put = obstore.put
     cut_in: list[object] = []
+    at = {
+        "winner_whole_before_the_losers_claim": None,  # at the loser's first PUT: its claim
+        "loser_while_the_winner_uploads": "v1/model-00001-of-00002.safetensors",
+        "loser_before_the_winners_manifest": "v1/manifest.json",
+    }[interleaving]
 
     def winner() -> object:
         return _attempt(lambda: publish_remote(src, bucket.url, name="v1"))
@@ -215,13 +253,13 @@ def test_publish_remote_loser_never_overwrites_the_winners_shards(
         return _attempt(lambda: publish_remote(other, bucket.url, name="v1"))
 
     def interleaved(store, key, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if not cut_in and (interleaving == "loser_checked_first" or key == "v1/manifest.json"):
+        if not cut_in and key == (at or key):
             cut_in.append(None)  # the one cutting in goes straight through
-            cut_in[0] = winner() if interleaving == "loser_checked_first" else loser()
+            cut_in[0] = winner() if interleaving == "winner_whole_before_the_losers_claim" else loser()
         return real_put(store, key, *args, **kwargs)
 
     monkeypatch.setattr(obstore, "put", interleaved)
-    if interleaving == "loser_checked_first":
+    if interleaving == "winner_whole_before_the_losers_claim":
         lost, won = loser(), cut_in[0]
     else:
         won, lost = winner(), cut_in[0]
@@ -229,50 +267,173 @@ def test_publish_remote_loser_never_overwrites_the_winners_shards(
 
     assert {k: v for k, v in _bucket_version(bucket, "v1")[0].items() if k != "manifest.json"} == {
         p.name: p.read_bytes() for p in src.iterdir()
-    }, "the winner's shards, byte for byte, and nothing else"
+    }, "the winner's files, byte for byte, and nothing else (no claim left)"
     _assert_verifies(bucket, "v1", src, tmp_path)
     assert won == f"{bucket.url}/v1"
     message = str(lost)
     assert isinstance(lost, PublishError) and "\n" not in message
-    assert (
-        message.startswith(f"{bucket.url}/v1/config.json already exists") and "never overwritten" in message
-    )
+    if interleaving == "winner_whole_before_the_losers_claim":
+        assert message == f"{bucket.url}/v1 already exists; versions are never overwritten"
+    else:
+        assert message.startswith(_claim_error(bucket)), message
 
 
-def test_publish_remote_whose_manifest_loses_removes_only_the_shards_it_created(
+def test_publish_remote_refuses_a_claim_a_crash_left_and_touches_nothing(src, tmp_path, bucket):
+    """A publish killed midway left its claim and some files, no manifest. A new publish of the
+    name fails in one line naming the claim, touches nothing, and says what to delete."""
+    from vllm_reloader.tools.publish import publish_remote
+
+    claim = json.dumps({"host": "trainer-7", "pid": 4242, "started_at": "2026-12-01T10:00:00+00:00"})
+    bucket.put("v1/.publishing", claim.encode())
+    bucket.put("v1/config.json", b"left by a crashed publish")
+    with pytest.raises(PublishError) as caught:
+        publish_remote(src, bucket.url, name="v1")
+    message = str(caught.value)
+    assert message.startswith(_claim_error(bucket)) and "\n" not in message
+    assert "or crashed (claimed by pid 4242 on trainer-7 at 2026-12-01T10:00:00+00:00); if none" in message
+    assert f"delete everything under {bucket.url}/v1/ and publish again" in message
+    assert sorted(bucket.listed()) == ["v1/.publishing", "v1/config.json"]
+    assert _bucket_objects(bucket, "v1")[".publishing"] == claim.encode()
+    for key in bucket.listed():  # as the message says
+        bucket.client.delete_object(Bucket=bucket.name, Key=f"runs/{key}")
+    assert publish_remote(src, bucket.url, name="v1") == f"{bucket.url}/v1"
+    _assert_verifies(bucket, "v1", src, tmp_path)
+
+
+def test_publish_remote_refuses_a_name_holding_a_foreign_file_and_removes_its_claim(src, bucket):
+    """Another writer's file under v1/ (no claim, no manifest): refused, the file left as it
+    is, and the claim this publish made is gone."""
+    from vllm_reloader.tools.publish import publish_remote
+
+    bucket.put("v1/notes.txt", b"a foreign writer's")
+    bucket.put("v10/config.json", b"another name: not in v1/")
+    with pytest.raises(PublishError) as caught:
+        publish_remote(src, bucket.url, name="v1")
+    message = str(caught.value)
+    assert message.startswith(f"{bucket.url}/v1/notes.txt already exists") and "\n" not in message
+    assert "never overwritten" in message and f"delete everything under {bucket.url}/v1/" in message
+    assert sorted(bucket.listed()) == ["v1/notes.txt", "v10/config.json"]
+    assert _bucket_objects(bucket, "v1") == {"notes.txt": b"a foreign writer's"}
+
+
+def test_publish_remote_uploads_a_file_larger_than_a_part_in_parts_and_it_verifies(
     src, tmp_path, bucket, monkeypatch
 ):
-    """No shard name in common: both publishers' shards go up, the other's manifest lands
-    first. This one removes the shards it created, never the winner's, which verifies."""
+    """A file over the part size goes up as a multipart upload (moto takes parts of 5 MiB and
+    more), and the manifest's digest is of the bytes uploaded."""
     import obstore
 
     from vllm_reloader.tools.publish import publish_remote
 
-    other = tmp_path / "other-trainer"
-    write_weights(other, shards=1, config={"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
-    (other / "config.json").rename(other / "config-other.json")
+    monkeypatch.setattr(publish_module, "PART_SIZE", 5 << 20)
+    (src / "optimizer.bin").write_bytes(os.urandom((11 << 20) + 12345))  # 3 parts: 5, 5, 1 MiB
     real_put = obstore.put
-    racing = {"done": False}
+    part_sizes: dict[str, int] = {}
 
-    def interleaved(store, key, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if key == "v1/manifest.json" and not racing["done"]:
-            racing["done"] = True
-            assert publish_remote(other, bucket.url, name="v1") == f"{bucket.url}/v1"
+    def recording(store, key, data, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if "chunk_size" in kwargs:
+            part_sizes[key] = kwargs["chunk_size"]
+        return real_put(store, key, data, *args, **kwargs)
+
+    monkeypatch.setattr(obstore, "put", recording)
+    assert publish_remote(src, bucket.url, name="v1") == f"{bucket.url}/v1"
+    assert part_sizes["v1/optimizer.bin"] == 5 << 20
+    head = bucket.client.head_object(Bucket=bucket.name, Key="runs/v1/optimizer.bin")
+    assert head["ETag"].strip('"').endswith("-3"), "a multipart upload of 3 parts"
+    assert head["ContentLength"] == (11 << 20) + 12345
+    _assert_verifies(bucket, "v1", src, tmp_path)
+
+
+def test_publish_remote_part_size_grows_past_10000_parts():
+    """S3 takes at most 10,000 parts in one upload: a file of more grows its parts instead."""
+    part = publish_module.PART_SIZE
+    assert publish_module._part_size(0) == part
+    assert publish_module._part_size(10_000 * part) == part
+    assert publish_module._part_size(10_000 * part + 1) == part + 1
+    assert publish_module._part_size(5 << 40) * 10_000 >= 5 << 40
+
+
+def test_publish_remote_failing_midway_removes_only_what_it_uploaded_and_its_claim(src, bucket, monkeypatch):
+    """The second file's upload fails. This publish's first file and its claim are removed;
+    what others put in the bucket meanwhile, in v1/ or elsewhere, stays."""
+    import obstore
+
+    from vllm_reloader.errors import SourceError
+    from vllm_reloader.tools.publish import publish_remote
+
+    bucket.put("v0/config.json", b"another version")
+    real_put = obstore.put
+    first, second = sorted(p.name for p in src.iterdir())[:2]
+
+    def reset_on_the_second(store, key, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if key == f"v1/{second}":
+            assert sorted(bucket.listed()) == ["v0/config.json", "v1/.publishing", f"v1/{first}"]
+            bucket.put("v1/foreign.txt", b"a writer that takes no claim")
+            raise OSError(104, "Connection reset by peer")
         return real_put(store, key, *args, **kwargs)
 
-    monkeypatch.setattr(obstore, "put", interleaved)
-    with pytest.raises(PublishError, match=r"v1/manifest\.json already exists") as lost:
+    monkeypatch.setattr(obstore, "put", reset_on_the_second)
+    with pytest.raises(SourceError, match="Connection reset"):
         publish_remote(src, bucket.url, name="v1")
-    monkeypatch.setattr(obstore, "put", real_put)
-    assert "never overwritten" in str(lost.value)
-    _assert_verifies(bucket, "v1", other, tmp_path)
+    assert sorted(bucket.listed()) == ["v0/config.json", "v1/foreign.txt"]
 
 
-def test_publish_remote_keeps_its_manifest_that_landed_before_a_retry_said_it_exists(
-    src, tmp_path, bucket, monkeypatch
+def test_publish_remote_unreadable_file_removes_what_it_uploaded(src, bucket, monkeypatch):
+    from vllm_reloader.tools.publish import publish_remote
+
+    real = publish_module._open_hashing
+    calls = {"n": 0}
+
+    def denied_on_the_second(path):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise PermissionError(13, "Permission denied")
+        return real(path)
+
+    monkeypatch.setattr(publish_module, "_open_hashing", denied_on_the_second)
+    with pytest.raises(PublishError, match="publishing v1: Permission denied"):
+        publish_remote(src, bucket.url, name="v1")
+    assert bucket.listed() == []
+
+
+@pytest.mark.parametrize("change", ["appended", "rewritten_same_size", "replaced"])
+def test_publish_remote_fails_when_a_file_changes_while_it_uploads(src, bucket, monkeypatch, change):
+    """A trainer still writing a file: what was uploaded is not the file any more. The publish
+    fails naming it and removes what it uploaded, claim included."""
+    import obstore
+
+    from vllm_reloader.tools.publish import publish_remote
+
+    real_put = obstore.put
+    path = src / "config.json"
+
+    def trainer_writes_meanwhile(store, key, *args, **kwargs):  # type: ignore[no-untyped-def]
+        result = real_put(store, key, *args, **kwargs)
+        if key == "v1/config.json":
+            data = path.read_bytes()
+            if change == "appended":
+                path.write_bytes(data + b" ")
+            elif change == "rewritten_same_size":
+                path.write_bytes(data[::-1])
+                stat = path.stat()
+                os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+            else:
+                (src / "config.new").write_bytes(data)
+                os.replace(src / "config.new", path)
+        return result
+
+    monkeypatch.setattr(obstore, "put", trainer_writes_meanwhile)
+    with pytest.raises(PublishError, match=r"config\.json changed while it was being uploaded"):
+        publish_remote(src, bucket.url, name="v1")
+    assert bucket.listed() == []
+
+
+@pytest.mark.parametrize("lost_answer", ["manifest.json", ".publishing"])
+def test_publish_remote_whose_create_landed_before_a_retry_said_it_exists_goes_on(
+    src, tmp_path, bucket, monkeypatch, lost_answer
 ):
-    """The manifest's PUT landed but its answer was lost; the retry gets 412. The bytes there
-    are this publish's own manifest: it succeeded, and nothing is removed."""
+    """A create-only PUT (the manifest's, the claim's) landed but its answer was lost; the retry
+    gets 412. The bytes there are this publish's own: it goes on, and succeeds."""
     from vllm_reloader.sources.objstore import Store
     from vllm_reloader.tools.publish import publish_remote
 
@@ -280,64 +441,50 @@ def test_publish_remote_keeps_its_manifest_that_landed_before_a_retry_said_it_ex
 
     def create(self, key, data):  # type: ignore[no-untyped-def]
         created = real_create(self, key, data)
-        return False if key.endswith("/manifest.json") else created
+        return False if key.endswith(f"/{lost_answer}") else created
 
     monkeypatch.setattr(Store, "create", create)
     assert publish_remote(src, bucket.url, name="v1") == f"{bucket.url}/v1"
     _assert_verifies(bucket, "v1", src, tmp_path)
 
 
-def test_publish_remote_after_a_crash_says_what_to_delete_and_touches_nothing(src, tmp_path, bucket):
-    """A publish killed midway left shards and no manifest. A new publish of the name removes
-    none of them (it cannot know whose they are) and says how to publish again."""
-    from vllm_reloader.tools.publish import publish_remote
-
-    bucket.put("v1/config.json", b"left by a crashed publish")
-    with pytest.raises(PublishError) as caught:
-        publish_remote(src, bucket.url, name="v1")
-    message = str(caught.value)
-    assert message.startswith(f"{bucket.url}/v1/config.json already exists") and "\n" not in message
-    assert f"delete everything under {bucket.url}/v1/" in message
-    assert bucket.listed() == ["v1/config.json"]
-    bucket.client.delete_object(Bucket=bucket.name, Key="runs/v1/config.json")  # as the message says
-    assert publish_remote(src, bucket.url, name="v1") == f"{bucket.url}/v1"
-    _assert_verifies(bucket, "v1", src, tmp_path)
-
-
-def test_publish_remote_failing_midway_removes_what_it_uploaded(src, bucket, monkeypatch):
+def test_publish_remote_whose_manifest_loses_to_a_writer_without_claim_keeps_the_winners_version(
+    src, tmp_path, bucket, monkeypatch
+):
+    """A writer that takes no claim (a trainer writing into the bucket) publishes v1, no file
+    name in common, just before this publish's manifest. This one fails, removes its own files
+    and its claim, never the other's, whose version verifies."""
     import obstore
 
-    from vllm_reloader.errors import SourceError
+    from tests.support.checkpoints import write_manifest
     from vllm_reloader.tools.publish import publish_remote
 
+    other = tmp_path / "other-trainer"
+    write_weights(other, shards=1, config={"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    (other / "config.json").rename(other / "config-other.json")
+    write_manifest(other, overrides={"version": "v1"})
     real_put = obstore.put
-    calls = {"n": 0}
 
-    def reset_on_the_second(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise OSError(104, "Connection reset by peer")
-        return real_put(*args, **kwargs)
+    racing = {"done": False}
 
-    monkeypatch.setattr(obstore, "put", reset_on_the_second)
-    with pytest.raises(SourceError, match="Connection reset"):
+    def interleaved(store, key, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if key == "v1/manifest.json" and not racing["done"]:
+            racing["done"] = True
+            bucket.upload_dir(other, "v1")
+        return real_put(store, key, *args, **kwargs)
+
+    monkeypatch.setattr(obstore, "put", interleaved)
+    with pytest.raises(PublishError) as lost:
         publish_remote(src, bucket.url, name="v1")
-    assert bucket.listed() == []
-
-
-def test_publish_remote_refuses_a_file_larger_than_one_s3_put_before_uploading(src, bucket):
-    """Create-only uploads are one PUT each, and S3 takes at most 5 GiB in one."""
-    from vllm_reloader.tools.publish import publish_remote
-
-    with (src / "model-huge.safetensors").open("wb") as f:
-        f.truncate((5 << 30) + 1)  # sparse: no disk used
-    with pytest.raises(PublishError, match=r"model-huge\.safetensors: 5368709121 bytes.*at most 5 GiB"):
-        publish_remote(src, bucket.url, name="v1")
-    assert bucket.listed() == []
+    message = str(lost.value)
+    assert message.startswith(f"{bucket.url}/v1/manifest.json already exists") and "\n" not in message
+    assert "never overwritten" in message and "removed 3 of the 3 files it uploaded" in message
+    _assert_verifies(bucket, "v1", other, tmp_path)
 
 
 def test_publish_remote_whose_manifest_may_have_landed_removes_nothing(src, bucket, monkeypatch):
-    """The manifest's PUT fails with no answer (it may have landed): every shard stays."""
+    """The manifest's PUT fails with no answer (it may have landed): every file stays, and the
+    claim too; the error says what to check."""
     import obstore
 
     from vllm_reloader.tools.publish import publish_remote
@@ -352,26 +499,14 @@ def test_publish_remote_whose_manifest_may_have_landed_removes_nothing(src, buck
     monkeypatch.setattr(obstore, "put", no_answer_for_the_manifest)
     with pytest.raises(PublishError, match=r"whether its manifest landed is unknown") as caught:
         publish_remote(src, bucket.url, name="v1")
-    assert f"delete everything under {bucket.url}/v1/ and publish again" in str(caught.value)
-    assert sorted(bucket.listed()) == sorted(f"v1/{p.name}" for p in src.iterdir())
-
-
-def test_publish_remote_unreadable_file_removes_what_it_uploaded(src, bucket, monkeypatch):
-    from vllm_reloader.tools.publish import publish_remote
-
-    real = publish_module._read_and_hash
-    calls = {"n": 0}
-
-    def denied_on_the_second(path):  # type: ignore[no-untyped-def]
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise PermissionError(13, "Permission denied")
-        return real(path)
-
-    monkeypatch.setattr(publish_module, "_read_and_hash", denied_on_the_second)
-    with pytest.raises(PublishError, match="publishing v1: Permission denied"):
-        publish_remote(src, bucket.url, name="v1")
-    assert bucket.listed() == []
+    message = str(caught.value)
+    assert "\n" not in message
+    assert (
+        f"if {bucket.url}/v1/manifest.json exists, v1 is published: delete {bucket.url}/v1/.publishing"
+        in message
+    )
+    assert f"delete everything under {bucket.url}/v1/ and publish again" in message
+    assert sorted(bucket.listed()) == sorted(["v1/.publishing", *(f"v1/{p.name}" for p in src.iterdir())])
 
 
 def test_publish_loser_of_the_final_rename_keeps_the_winners_version(src, tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import obstore
 from obstore.exceptions import (
@@ -39,6 +39,10 @@ class Object:
     etag: str | None
     modified: float = 0.0
     """Last-Modified, as a Unix time."""
+
+
+class Unlistable(SourceError):
+    """A folder holding a key obstore cannot represent (`a//b`, `a/../b`): it cannot be listed."""
 
 
 def _one_line(exc: BaseException) -> str:
@@ -103,6 +107,18 @@ class Store:
                 )
         return found, unlisted
 
+    def list_under(self, prefix: str) -> dict[str, Object]:
+        """Every object under the folder `prefix` (key → size, ETag, time), by its own LIST: a
+        key obstore cannot represent elsewhere under the prefix costs nothing here; one inside
+        this folder is `Unlistable`."""
+        try:
+            return self._list(prefix.rstrip("/"))
+        except InvalidPathError as exc:
+            bad = _BAD_PATH.search(str(exc))
+            raise Unlistable(
+                f"LIST {self.url}/{prefix}: key {bad.group(1) if bad else '?'!r} cannot be listed"
+            ) from exc
+
     def _list(self, prefix: str | None) -> dict[str, Object]:
         try:
             return {
@@ -145,18 +161,31 @@ class Store:
     def exists(self, key: str) -> bool:
         return self.head(key) is not None
 
-    def put(self, key: str, data: bytes | Path, *, create_only: bool = False) -> None:
-        """Upload one object; `create_only` sends `If-None-Match: *` (never overwrite)."""
+    def put(
+        self,
+        key: str,
+        data: bytes | Path | BinaryIO,
+        *,
+        create_only: bool = False,
+        part_size: int | None = None,
+    ) -> None:
+        """Upload one object; `create_only` sends `If-None-Match: *` (never overwrite).
+
+        Otherwise a file (a `Path`, or a file open for reading, which obstore reads once, front to
+        back) longer than `part_size` (default: obstore's, 5 MiB) goes up as a multipart upload in
+        parts of that size, a few in flight at a time, never whole in memory; a multipart upload
+        that fails is aborted. On S3 an upload has at most 10,000 parts."""
         if create_only:
             if not self.create(key, data):
                 raise PublishError(f"{self.url}/{key} already exists; versions are never overwritten")
             return
+        parts: dict[str, Any] = {} if part_size is None else {"chunk_size": part_size}
         try:
-            obstore.put(self._store, key, data, mode="overwrite")
+            obstore.put(self._store, key, data, mode="overwrite", **parts)
         except (BaseError, OSError) as exc:
             raise self._fail("PUT", key, exc) from exc
 
-    def create(self, key: str, data: bytes | Path) -> bool:
+    def create(self, key: str, data: bytes | Path | BinaryIO) -> bool:
         """Upload one object only if none is there (`If-None-Match: *`, decided by the store
         itself, so two writers racing cannot both win); False when one was."""
         try:
