@@ -72,11 +72,9 @@ def test_e2e_fleet_follower_loads_only_what_a_canary_host_passed(
         loaded = follower.wait_for("reload.succeeded", version=good, timeout=60)
         assert at(follower.wait_for("download.started", name=good)) > at(recorded)
         assert follower_engine.version == good and world.engine.weight_version() == good
-        record = json.loads(
-            bucket.client.get_object(Bucket=bucket.name, Key=f"runs/{good}/_verdicts/canary-1.json")[
-                "Body"
-            ].read()
-        )
+        (key,) = [k for k in bucket.listed() if k.startswith(f"{good}/_verdicts/")]  # <fingerprint>/
+        assert key.endswith("/canary-1.passed.json")
+        record = json.loads(bucket.client.get_object(Bucket=bucket.name, Key=f"runs/{key}")["Body"].read())
         assert record["verdict"] == "passed" and record["host"] == "canary-1" and record["version"] == good
         assert loaded["bytes"] > 0
 

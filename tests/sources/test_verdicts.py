@@ -1,16 +1,21 @@
-"""Canary verdict records in a real S3 wire protocol (moto on loopback): written once, never
-overwritten, each host its own object; and what a follower makes of them, hostile ones included."""
+"""Canary verdict records in a real S3 wire protocol (moto on loopback): one per content, host
+and verdict, written once and never overwritten; what a follower makes of them, hostile ones
+included; two canary hosts under one name told apart."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import structlog
 
 from tests.support.store_fixtures import Bucket
 from vllm_reloader.config import RolloutConfig
 from vllm_reloader.sources import verdicts
 from vllm_reloader.sources.objstore import Store
+
+FP1, FP2 = "1" * 64, "2" * 64
 
 
 @pytest.fixture
@@ -18,81 +23,148 @@ def store(bucket: Bucket) -> Store:
     return Store(bucket.url)
 
 
-def records(bucket: Bucket, name: str) -> dict[str, verdicts.Object]:
-    listing, _ = Store(bucket.url).list()
-    prefix = f"{name}/"
-    return {
-        k.removeprefix(prefix): o
-        for k, o in listing.items()
-        if k.startswith(prefix) and verdicts.is_record(k.removeprefix(prefix))
+def fleet(store: Store, state: Path, host: str = "canary-1", **rollout: object) -> verdicts.Fleet:
+    return verdicts.Fleet(store, RolloutConfig(host=host, **rollout), structlog.get_logger(), state)  # type: ignore[arg-type]
+
+
+def write(
+    f: verdicts.Fleet, name: str, fingerprint: str, passed: bool, reason: str | None = None
+) -> list[dict]:
+    f.queued.put(verdicts.Verdict(name, name, fingerprint, passed, reason))
+    with structlog.testing.capture_logs() as logs:
+        f.write_queued()
+    return logs
+
+
+def body(bucket: Bucket, key: str) -> dict:
+    return json.loads(bucket.client.get_object(Bucket=bucket.name, Key=f"runs/{key}")["Body"].read())
+
+
+def test_verdict_record_sits_at_its_content_host_and_verdict_and_is_never_overwritten(
+    bucket: Bucket, store: Store, tmp_path: Path
+):
+    f = fleet(store, tmp_path)
+    assert [e["event"] for e in write(f, "step-5", FP1, True)] == ["verdict.recorded"]
+    assert [e["event"] for e in write(f, "step-5", FP1, True)] == ["verdict.exists"], "a restart keeps it"
+    assert bucket.listed() == [f"step-5/_verdicts/{FP1}/canary-1.passed.json"]
+    record = body(bucket, f"step-5/_verdicts/{FP1}/canary-1.passed.json")
+    assert {k: record[k] for k in ("name", "version", "fingerprint", "host", "verdict")} == {
+        "name": "step-5",
+        "version": "step-5",
+        "fingerprint": FP1,
+        "host": "canary-1",
+        "verdict": "passed",
     }
+    assert record["daemon_version"] and record["at"] > 0 and len(record["instance"]) == 32
 
 
-def test_verdict_record_is_written_once_and_never_overwritten(bucket: Bucket, store: Store):
-    assert verdicts.write(store, "step-5", host="canary-1", version="v5", passed=True, reason=None)
-    assert not verdicts.write(store, "step-5", host="canary-1", version="v5", passed=False, reason="late")
-    body = bucket.client.get_object(Bucket=bucket.name, Key="runs/step-5/_verdicts/canary-1.json")[
-        "Body"
-    ].read()
-    record = json.loads(body)
-    assert record["verdict"] == "passed" and record["version"] == "v5" and record["daemon_version"]
+def test_verdict_failure_is_never_blocked_by_a_pass_of_the_same_host(bucket: Bucket, store: Store, tmp_path):
+    f = fleet(store, tmp_path)
+    write(f, "step-5", FP1, True)
+    assert [e["event"] for e in write(f, "step-5", FP1, False, "canary: NaN")] == ["verdict.recorded"]
+    assert f.clearance("step-5", FP1) == ("failed", "canary host canary-1 failed it: canary: NaN")
 
 
-def test_verdict_of_a_second_canary_host_is_its_own_object(bucket: Bucket, store: Store):
-    assert verdicts.write(store, "step-5", host="canary-1", version="v5", passed=True, reason=None)
-    assert verdicts.write(store, "step-5", host="canary-2", version="v5", passed=False, reason="canary: NaN")
-    assert sorted(records(bucket, "step-5")) == ["_verdicts/canary-1.json", "_verdicts/canary-2.json"]
-    tally = verdicts.Reader(store).tally("step-5", records(bucket, "step-5"))
+def test_verdict_counts_only_for_the_content_it_judged(bucket: Bucket, store: Store, tmp_path: Path):
+    f = fleet(store, tmp_path)
+    write(f, "latest", FP1, True)
+    assert f.clearance("latest", FP1)[0] == "cleared"
+    assert f.clearance("latest", FP2) == ("waiting", "waiting for canary hosts: 0 of 1 passed")
+    write(f, "latest", FP2, False, "canary: NaN")
+    assert f.clearance("latest", FP2)[0] == "failed" and f.clearance("latest", FP1)[0] == "cleared"
+
+
+def test_verdict_of_a_second_canary_host_is_its_own_object(bucket: Bucket, store: Store, tmp_path: Path):
+    write(fleet(store, tmp_path / "a", "canary-1"), "step-5", FP1, True)
+    write(fleet(store, tmp_path / "b", "canary-2"), "step-5", FP1, False, "canary: NaN")
+    tally = fleet(store, tmp_path / "f").tally("step-5", FP1)
     assert tally.passed == ("canary-1",) and tally.failed == (("canary-2", "canary: NaN"),)
     assert tally.clearance(1)[0] == "failed", "one failure is enough to keep it from followers"
 
 
-def test_verdict_clearance_waits_for_min_canaries(bucket: Bucket, store: Store):
-    reader = verdicts.Reader(store)
-    assert reader.tally("step-7", {}).clearance(1) == ("waiting", "waiting for canary hosts: 0 of 1 passed")
-    verdicts.write(store, "step-7", host="a", version="v7", passed=True, reason=None)
-    assert reader.tally("step-7", records(bucket, "step-7")).clearance(2)[0] == "waiting"
-    verdicts.write(store, "step-7", host="b", version="v7", passed=True, reason=None)
-    assert reader.tally("step-7", records(bucket, "step-7")).clearance(2) == ("cleared", "passed on a, b")
+def test_verdict_clearance_waits_for_min_canaries(bucket: Bucket, store: Store, tmp_path: Path):
+    follower = fleet(store, tmp_path / "f", "follower", min_canaries=2)
+    write(fleet(store, tmp_path / "a", "a"), "step-7", FP1, True)
+    assert follower.clearance("step-7", FP1) == ("waiting", "waiting for canary hosts: 1 of 2 passed")
+    write(fleet(store, tmp_path / "b", "b"), "step-7", FP1, True)
+    assert follower.clearance("step-7", FP1) == ("cleared", "passed on a, b")
+
+
+def test_verdict_two_canary_hosts_with_one_name_are_told_apart_and_count_once(
+    bucket: Bucket, store: Store, tmp_path: Path
+):
+    write(fleet(store, tmp_path / "a"), "step-7", FP1, True)
+    logs = write(fleet(store, tmp_path / "b"), "step-7", FP1, True)  # another daemon, the same name
+    (conflict,) = [e for e in logs if e["event"] == "verdict.host_conflict"]
+    assert conflict["log_level"] == "error" and conflict["host"] == "canary-1"
+    assert conflict["fix"] == "set [rollout] host to a name no other canary host uses"
+    assert "verdict.exists" not in [e["event"] for e in logs]
+    follower = fleet(store, tmp_path / "f", "follower", min_canaries=2)
+    assert follower.clearance("step-7", FP1) == ("waiting", "waiting for canary hosts: 1 of 2 passed")
+
+
+def test_verdict_instance_id_is_kept_across_restarts(bucket: Bucket, store: Store, tmp_path: Path):
+    first = fleet(store, tmp_path)
+    write(first, "step-1", FP1, True)
+    again = fleet(store, tmp_path)  # the same state dir: the same daemon, restarted
+    assert again.instance == first.instance
+    assert [e["event"] for e in write(again, "step-1", FP1, True)] == ["verdict.exists"]
+
+
+def test_verdict_pass_without_a_canary_is_not_recorded(bucket: Bucket, store: Store, tmp_path: Path):
+    f = fleet(store, tmp_path)
+    f.queued.put(verdicts.Verdict("step-1", "step-1", FP1, True, canary=False))
+    with structlog.testing.capture_logs() as logs:
+        f.write_queued()
+    assert [(e["event"], e["log_level"]) for e in logs] == [("verdict.not_recorded", "warning")]
+    assert bucket.listed() == []
+
+
+def record(**fields: object) -> bytes:
+    found = {
+        "name": "step-9",
+        "version": "v",
+        "fingerprint": FP1,
+        "host": "a",
+        "verdict": "passed",
+        "at": 0,
+        "daemon_version": "x",
+        "instance": "0" * 32,
+    }
+    return json.dumps({**found, **fields}).encode()
 
 
 @pytest.mark.parametrize(
-    "key, body",
+    "rest, data",
     [
-        ("_verdicts/evil.json", b"not json"),
-        ("_verdicts/deep.json", b"[" * 30_000 + b"]" * 30_000),
-        ("_verdicts/huge.json", b" " * (verdicts.MAX_RECORD_BYTES + 1)),
-        (
-            "_verdicts/other.json",
-            json.dumps(
-                {"verdict": "passed", "host": "a", "version": "v", "at": 0, "daemon_version": "x"}
-            ).encode(),
-        ),
-        (
-            "_verdicts/b.json",
-            json.dumps(
-                {"verdict": "maybe", "host": "b", "version": "v", "at": 0, "daemon_version": "x"}
-            ).encode(),
-        ),
+        ("evil.passed.json", b"not json"),
+        ("deep.passed.json", b"[" * 30_000 + b"]" * 30_000),
+        ("huge.passed.json", b" " * (verdicts.MAX_RECORD_BYTES + 1)),
+        ("other.passed.json", record()),  # a host writing under another's name
+        ("a.failed.json", record()),  # at the key of another verdict
+        ("a.passed.json", record(fingerprint=FP2)),  # a record on other content, copied here
+        ("a.passed.json", record(name="step-8")),  # a record on another name, copied here
+        ("a.passed.json", record(verdict="maybe")),
+        ("a.passed.json", record(instance=None)),
     ],
 )
-def test_verdict_records_that_are_not_ours_pass_nothing(bucket: Bucket, store: Store, key: str, body: bytes):
-    """Malformed, nested, oversized, or a host writing under another's name: counted for nothing."""
-    bucket.put(f"step-9/{key}", body)
-    tally = verdicts.Reader(store).tally("step-9", records(bucket, "step-9"))
-    assert tally == verdicts.Tally()
+def test_verdict_records_that_are_not_ours_pass_nothing(bucket: Bucket, store: Store, rest: str, data: bytes):
+    """Malformed, nested, oversized, at another's key, or on other content: counted for nothing."""
+    bucket.put(f"step-9/_verdicts/{FP1}/{rest}", data)
+    assert verdicts.Reader(store).tally("step-9", FP1, store.list_under(f"step-9/_verdicts/{FP1}")) == (
+        verdicts.Tally()
+    )
 
 
-def test_verdict_fleet_writes_queued_verdicts_and_logs_each(bucket: Bucket, store: Store):
-    import structlog
+def test_verdict_record_of_the_previous_release_counts_for_nothing(bucket: Bucket, store: Store, tmp_path):
+    old = {"verdict": "passed", "host": "a", "version": "v", "at": 0, "daemon_version": "0.1"}
+    bucket.put("step-9/_verdicts/a.json", json.dumps(old).encode())
+    assert fleet(store, tmp_path).clearance("step-9", FP1)[0] == "waiting"
 
-    fleet = verdicts.Fleet(store, RolloutConfig(host="canary-1"), structlog.get_logger())
-    fleet.queued.put(verdicts.Verdict("step-3", "v3", True))
-    fleet.queued.put(verdicts.Verdict("step-3", "v3", False, "again"))
-    with structlog.testing.capture_logs() as logs:
-        fleet.write_queued()
-    assert [(e["event"], e.get("verdict")) for e in logs] == [
-        ("verdict.recorded", "passed"),
-        ("verdict.exists", None),
-    ]
-    assert fleet.queued.empty()
+
+def test_verdict_folder_with_a_key_that_cannot_be_listed_waits_and_says_why(
+    bucket: Bucket, store: Store, tmp_path: Path
+):
+    bucket.put(f"step-9/_verdicts/{FP1}//odd", b"x")
+    status, why = fleet(store, tmp_path).clearance("step-9", FP1)
+    assert status == "waiting" and "cannot be listed" in why

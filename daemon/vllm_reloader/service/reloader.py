@@ -23,7 +23,7 @@ from ..checkpoint.files import Identity
 from ..config import Config
 from ..engine.client import RELOADING_PREFIX, STARTUP_VERSION, EngineClient
 from ..sources.verdicts import Verdict
-from . import outcomes, rollback, rollout, status
+from . import fleet, outcomes, rollback, rollout, status
 from .catalog import Catalog, detection_lag_ms
 from .engines import Engine, Engines
 from .gating import GateFinished, Gater, Gating
@@ -54,8 +54,8 @@ class Reloader:
         clients: Mapping[str, EngineClient] | None = None,
         on_verdict: Callable[[Verdict], None] | None = None,
     ) -> None:
-        """`on_verdict`: told what the canary engine made of each new version (a canary host
-        records it for the fleet)."""
+        """`on_verdict`: told what the canary engine made of each new version, and of each one the
+        gate rejected (a canary host records it for the fleet, `service.fleet`)."""
         self.config = config
         self.on_verdict = on_verdict
         self.log = log.get()
@@ -177,6 +177,7 @@ class Reloader:
 
     def rejected_remotely(self, name: str, version: str, reason: str, fingerprint: str, check: str) -> None:
         self._reject(name, version, reason, fingerprint, check=check)
+        self._tell(fleet.rejected(name, version, reason, fingerprint, {"check": check}))
 
     def finished(self, outcome: Outcome) -> None:
         """A reload came back from an engine's reload thread: apply what it means, then say it
@@ -187,17 +188,13 @@ class Reloader:
         decision = outcomes.decide(outcome, now=time.time())
         if engine is not self.canary:
             decision = engine.as_follower(decision, self.config.engine)
-        elif self.on_verdict is not None and outcome.job.candidate.fingerprint:  # not a restore
-            self._verdict(outcome.job, decision)
+        elif outcome.job.candidate.fingerprint:  # not a restore
+            self._tell(fleet.judged(outcome.job, decision))
         self._apply(engine, decision)
 
-    def _verdict(self, job: Job, decision: outcomes.Decision) -> None:
-        assert self.on_verdict is not None
-        name, version = job.candidate.name, job.target.version
-        if decision.result == "succeeded":
-            self.on_verdict(Verdict(name, version, True, None if job.canary.enabled else "canary disabled"))
-        elif decision.reject is not None:  # its canary, or its reload, failed here
-            self.on_verdict(Verdict(name, version, False, decision.reject.reason))
+    def _tell(self, verdict: Verdict | None) -> None:
+        if verdict is not None and self.on_verdict is not None:
+            self.on_verdict(verdict)
 
     def _apply(self, engine: Engine, decision: outcomes.Decision) -> None:
         served, labels = engine.served, {"engine": engine.url}
@@ -354,6 +351,7 @@ class Reloader:
         elif verdict.status == "rejected":
             version = verdict.manifest.version if verdict.manifest else None
             self._reject(name, version, verdict.reason, verdict.fingerprint, **verdict.details)
+            self._tell(fleet.rejected(name, version, verdict.reason, verdict.fingerprint, verdict.details))
         else:
             manifest = verdict.manifest
             assert manifest is not None

@@ -117,7 +117,7 @@ class RemoteSource:
         """Checkpoints whose listing hit a key obstore cannot represent (logged once each)."""
         self.problems: dict[str, str] = {}
         """What is failing now, by kind ("source", "download"): each is logged once, not per poll."""
-        self.fleet = verdicts.Fleet(self.store, config.rollout, self.log)
+        self.fleet = verdicts.Fleet(self.store, config.rollout, self.log, config.state.dir)
         self.wake = threading.Event()
         """Set to poll (and write verdicts) now rather than at the next interval."""
         self._thread = threading.Thread(target=self._run, name="remote-source", daemon=True)
@@ -158,12 +158,12 @@ class RemoteSource:
         self.fleet.queued.put(verdict)
         self.wake.set()
 
-    def _cleared(self, name: str, records: Mapping[str, Object], seen: Seen, waiting: dict[str, str]) -> bool:
+    def _cleared(self, name: str, seen: Seen, waiting: dict[str, str]) -> bool:
         """A follower: whether the canary hosts' records let this version load (else it waits,
         or is rejected when one failed it)."""
         if self.config.rollout.role != "follow":
             return True
-        status, why = self.fleet.clearance(name, records)
+        status, why = self.fleet.clearance(name, seen.fingerprint)
         if status == "failed":
             self._reject(name, None, Incomplete("rejected", why, seen.fingerprint, "canary"))
         elif status == "waiting":
@@ -190,11 +190,11 @@ class RemoteSource:
         try:
             listing, unlisted = self.store.list()
             by_name: dict[str, dict[str, Object]] = {}
-            records: dict[str, dict[str, Object]] = {}
             for key, found in listing.items():
                 name, _, rest = key.partition("/")
-                if rest and not local.is_ignored(name, self.config.source.ignore):
-                    (records if verdicts.is_record(rest) else by_name).setdefault(name, {})[rest] = found
+                ours = rest and not verdicts.is_record(rest)  # records are not a checkpoint's files
+                if ours and not local.is_ignored(name, self.config.source.ignore):
+                    by_name.setdefault(name, {})[rest] = found
             for name, problem in unlisted.items():
                 if not local.is_ignored(name, self.config.source.ignore):
                     by_name[name] = self._objects_by_head(name, problem)
@@ -221,7 +221,7 @@ class RemoteSource:
                 continue  # rejected once; the next one may load
             bucket = self._listing(name, by_name[name], seen.signal, seen.data)
             try:
-                if not self._cleared(name, records.get(name, {}), seen, waiting):
+                if not self._cleared(name, seen, waiting):
                     continue
                 listed = completeness.describe(bucket, self.convention, time.time())
             except SourceError as exc:

@@ -1,74 +1,121 @@
 """Canary verdicts shared through the object store: a fleet's only shared state.
 
-A canary host whose engine served a version and ran its canary writes
-`<prefix>/<name>/_verdicts/<host>.json` (passed or failed, when, by which daemon release) with
-a conditional create (`If-None-Match: *`): a record is never overwritten, and a second canary
-host's record is its own object. A follower loads a version only once `min_canaries` hosts
-recorded it as passed and none as failed. No coordinator of our own: this rests on the store's
-strong read-after-write consistency (S3 since 2020, GCS, Azure Blob) and on conditional writes
-being decided by the store, as lakehouse table formats commit through it.
+A canary host whose engine judged a version writes one record per (content, host, verdict):
+`<prefix>/<name>/_verdicts/<fingerprint>/<host>.<passed|failed>.json`, with a conditional
+create (`If-None-Match: *`). A record is never overwritten, a `failed` never waits behind a
+`passed` (its own key), and a record judges exactly one content: the name rewritten with other
+bytes has another fingerprint, so another folder. A follower reads a version's folder by its
+own LIST and loads it only once `min_canaries` hosts passed it and none failed it.
+
+Each daemon writes a random instance id (kept in its state dir) into its records: a record
+under this host's name written by another instance means two canary hosts share a name
+(`verdict.host_conflict`); the name counts once.
+
+No coordinator of our own: this rests on the store's strong read-after-write and
+list-after-write consistency (S3 since 2020, GCS, Azure Blob) and on conditional writes being
+decided by the store, as lakehouse table formats commit through it.
 """
 
 from __future__ import annotations
 
 import queue
+import re
+import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .. import __version__
 from ..config import RolloutConfig
+from ..durable import replace_atomically
 from ..errors import SourceError
-from .objstore import Object, Store
+from .objstore import Object, Store, Unlistable
 
 VERDICTS_DIR = "_verdicts"
 MAX_RECORD_BYTES = 64 << 10
 """A record is a few hundred bytes; a larger object there is not one of ours (not read)."""
+INSTANCE_NAME = "instance-id"
+"""In the state dir: this daemon's random id, written in its records."""
+_INSTANCE = re.compile(r"[0-9a-f]{32}")
+_FINGERPRINT = re.compile(r"[0-9a-f]{16,128}")
 
 
 class Record(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
-    verdict: Literal["passed", "failed"]
-    host: str = Field(max_length=255)
+    name: str = Field(max_length=1024)
     version: str = Field(max_length=1024)
+    fingerprint: str = Field(max_length=128)
+    host: str = Field(max_length=255)
+    verdict: Literal["passed", "failed"]
+    reason: str | None = Field(None, max_length=4096)
     at: float
     daemon_version: str = Field(max_length=64)
-    reason: str | None = Field(None, max_length=4096)
+    instance: str = Field(max_length=64)
+    """The writing daemon's instance id: two canary hosts under one name are told apart by it."""
 
 
-def key(name: str, host: str) -> str:
-    return f"{name}/{VERDICTS_DIR}/{host}.json"
+def folder(name: str, fingerprint: str) -> str:
+    """Where the records on one content of `name` live."""
+    return f"{name}/{VERDICTS_DIR}/{fingerprint}"
+
+
+def key(name: str, fingerprint: str, host: str, verdict: str) -> str:
+    return f"{folder(name, fingerprint)}/{host}.{verdict}.json"
 
 
 def is_record(rest: str) -> bool:
     """Whether a key under a checkpoint's prefix (`rest`: the part after `<name>/`) is a verdict
-    record, not one of the checkpoint's files."""
+    record (or anything else under `_verdicts/`), not one of the checkpoint's files."""
     return rest.startswith(f"{VERDICTS_DIR}/")
 
 
-def write(store: Store, name: str, *, host: str, version: str, passed: bool, reason: str | None) -> bool:
-    """This host's record for `name`; False when it already has one (kept as it is)."""
-    record = Record(
-        verdict="passed" if passed else "failed",
-        host=host,
-        version=version,
-        at=time.time(),
-        daemon_version=__version__,
-        reason=reason,
-    )
-    return store.create(key(name, host), record.model_dump_json().encode())
+def instance_id(directory: Path) -> tuple[str, str | None]:
+    """This daemon's instance id, kept in `directory` (made once); and why it could not be kept."""
+    path = directory / INSTANCE_NAME
+    try:
+        text = path.read_text(encoding="ascii", errors="replace").strip()
+        if _INSTANCE.fullmatch(text):
+            return text, None
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        return secrets.token_hex(16), f"cannot read {path}: {exc.strerror}"
+    new = secrets.token_hex(16)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        replace_atomically(path, new.encode())
+    except OSError as exc:
+        return new, f"cannot write {path}: {exc.strerror}"
+    return new, None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What this canary host made of one content of a version."""
+
+    name: str
+    """The version's name in the store (never a placed directory's `NAME@…`)."""
+    version: str
+    fingerprint: str
+    passed: bool
+    reason: str | None = None
+    canary: bool = True
+    """Whether its canary ran: a pass without one is not recorded (it proves only a load)."""
 
 
 @dataclass(frozen=True)
 class Tally:
     passed: tuple[str, ...] = ()
-    """Hosts that recorded the version as passed."""
+    """Hosts that recorded the content as passed (each name once)."""
     failed: tuple[tuple[str, str], ...] = ()
     """(host, reason) for each that recorded it as failed."""
+    version: str = ""
+    """The version the records name."""
 
     def clearance(self, min_canaries: int) -> tuple[Literal["cleared", "waiting", "failed"], str]:
         """Whether a follower may load the version, and why not."""
@@ -81,30 +128,34 @@ class Tally:
 
 
 class Reader:
-    """Reads the records under each checkpoint, once per ETag (a record never changes; one that
-    does is read again)."""
+    """Reads records, once per ETag (a record never changes; one that does is read again)."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
         self._read: dict[tuple[str, str | None], Record | None] = {}
 
-    def tally(self, name: str, records: Mapping[str, Object]) -> Tally:
-        """`records`: the objects under `<name>/_verdicts/`, by key relative to `<name>/`. A
-        record that cannot be read as one counts for nothing (a hostile or careless writer
-        cannot pass a version; failing one needs a well-formed `failed` record)."""
-        passed: list[str] = []
-        failed: list[tuple[str, str]] = []
-        for rest, found in sorted(records.items()):
-            record = self._record(f"{name}/{rest}", found)
-            if record is None or f"{VERDICTS_DIR}/{record.host}.json" != rest:
-                continue  # not ours, or a host writing under another's name
+    def tally(self, name: str, fingerprint: str, records: Mapping[str, Object]) -> Tally:
+        """`records`: the objects under `folder(name, fingerprint)`, by key. A record counts only
+        at its own key and for the content it names; one that cannot be read as one counts for
+        nothing (a careless writer cannot pass a version; failing one needs a well-formed
+        `failed` record)."""
+        passed: dict[str, None] = {}
+        failed: dict[str, str] = {}
+        version = ""
+        for object_key, found in sorted(records.items()):
+            record = self.record(object_key, found)
+            if record is None or (record.name, record.fingerprint) != (name, fingerprint):
+                continue
+            if object_key != key(name, fingerprint, record.host, record.verdict):
+                continue  # not at its own key: a host writing under another's name, or a copy
+            version = version or record.version
             if record.verdict == "passed":
-                passed.append(record.host)
+                passed[record.host] = None
             else:
-                failed.append((record.host, record.reason or "failed"))
-        return Tally(tuple(passed), tuple(failed))
+                failed.setdefault(record.host, record.reason or "failed")
+        return Tally(tuple(passed), tuple(failed.items()), version)
 
-    def _record(self, object_key: str, found: Object) -> Record | None:
+    def record(self, object_key: str, found: Object) -> Record | None:
         cached = (object_key, found.etag)
         if cached not in self._read:
             record = None
@@ -117,44 +168,89 @@ class Reader:
         return self._read[cached]
 
 
-@dataclass(frozen=True)
-class Verdict:
-    """What this canary host's engine made of a version."""
-
-    name: str
-    version: str
-    passed: bool
-    reason: str | None = None
-
-
 class Fleet:
     """This host's side of the fleet: its verdicts to write (a canary host), the others'
     records to read (a follower). Used on the object-store thread only."""
 
-    def __init__(self, store: Store, rollout: RolloutConfig, log: Any) -> None:
-        self.store, self.rollout, self.log = store, rollout, log
+    def __init__(self, store: Store, rollout: RolloutConfig, log: Any, state_dir: Path) -> None:
+        self.store, self.rollout, self.log, self.state_dir = store, rollout, log, state_dir
         self.reader = Reader(store)
         self.queued: queue.SimpleQueue[Verdict] = queue.SimpleQueue()
+        self._instance: str | None = None
+
+    @property
+    def instance(self) -> str:
+        if self._instance is None:
+            self._instance, problem = instance_id(self.state_dir)
+            if problem is not None:
+                self.log.warning("verdict.instance_unsaved", reason=problem, instance=self._instance)
+        return self._instance
 
     def write_queued(self) -> None:
         """Write every queued verdict; one the store refuses stays queued (SourceError)."""
-        host = self.rollout.host
         while not self.queued.empty():
             v = self.queued.get()
             try:
-                created = write(
-                    self.store, v.name, host=host, version=v.version, passed=v.passed, reason=v.reason
-                )
+                self._write(v)
             except SourceError:
                 self.queued.put(v)
                 raise
-            fields = {"name": v.name, "version": v.version, "host": host, "key": key(v.name, host)}
-            if created:
-                self.log.info("verdict.recorded", verdict="passed" if v.passed else "failed", **fields)
-            else:
-                self.log.info("verdict.exists", **fields)  # recorded before (a restart): kept as it was
 
-    def clearance(
-        self, name: str, records: Mapping[str, Object]
-    ) -> tuple[Literal["cleared", "waiting", "failed"], str]:
-        return self.reader.tally(name, records).clearance(self.rollout.min_canaries)
+    def _write(self, v: Verdict) -> None:
+        host = self.rollout.host
+        verdict = "passed" if v.passed else "failed"
+        fields = {"name": v.name, "version": v.version, "fingerprint": v.fingerprint, "host": host}
+        if v.passed and not v.canary:
+            reason = "canary disabled: a pass without a canary is not recorded; followers count none"
+            self.log.warning("verdict.not_recorded", reason=reason, **fields)
+            return
+        record = Record(
+            name=v.name,
+            version=v.version,
+            fingerprint=v.fingerprint,
+            host=host,
+            verdict=verdict,
+            reason=v.reason,
+            at=time.time(),
+            daemon_version=__version__,
+            instance=self.instance,
+        )
+        where = key(v.name, v.fingerprint, host, verdict)
+        created = self.store.create(where, record.model_dump_json().encode())
+        other = self._other_instance(v.name, v.fingerprint, host)
+        if other is not None:
+            self.log.error(
+                "verdict.host_conflict",
+                reason=f"another canary host writes records as {host!r} (instance {other}, this one "
+                f"{self.instance}); records under one name count once",
+                fix="set [rollout] host to a name no other canary host uses",
+                key=where,
+                **fields,
+            )
+        if created:
+            self.log.info("verdict.recorded", verdict=verdict, key=where, **fields)
+        elif other is None:
+            self.log.info("verdict.exists", key=where, **fields)  # this daemon's, from before a restart
+
+    def _other_instance(self, name: str, fingerprint: str, host: str) -> str | None:
+        """The instance id of another daemon that wrote on this content under `host`, if one did."""
+        for object_key, found in sorted(self.store.list_under(folder(name, fingerprint)).items()):
+            record = self.reader.record(object_key, found)
+            if record is None or object_key != key(name, fingerprint, record.host, record.verdict):
+                continue
+            if record.host == host and record.instance != self.instance:
+                return record.instance
+        return None
+
+    def tally(self, name: str, fingerprint: str) -> Tally:
+        """The records on this content of `name`, read by their own LIST."""
+        return self.reader.tally(name, fingerprint, self.store.list_under(folder(name, fingerprint)))
+
+    def clearance(self, name: str, fingerprint: str) -> tuple[Literal["cleared", "waiting", "failed"], str]:
+        if not _FINGERPRINT.fullmatch(fingerprint):
+            return "waiting", "waiting for a fingerprint of its content"
+        try:
+            tally = self.tally(name, fingerprint)
+        except Unlistable as exc:
+            return "waiting", f"the canary hosts' records cannot be listed: {exc}"
+        return tally.clearance(self.rollout.min_canaries)
