@@ -266,6 +266,29 @@ def test_follower_counts_no_record_in_the_previous_releases_layout(fleet: Fleet)
     assert follower.source.pending == {"step-1": "waiting for canary hosts: 0 of 1 passed"}
 
 
+# -- a version failed after followers loaded it -----------------------------------------------
+
+
+def test_follower_rolls_back_a_version_a_canary_host_failed_after_it_loaded_it(fleet: Fleet):
+    fleet.daemon("canary-1")
+    follower = fleet.daemon("follower-1", role="follow")
+    fleet.publish("step-1", step=1)
+    fleet.wait_for("reload.succeeded", engine=follower.url, version="step-1")
+    fleet.publish("step-2", step=2)
+    fleet.wait_for("reload.succeeded", engine=follower.url, version="step-2")
+    fleet.daemon("canary-2", bad_steps={2})  # a second canary host, whose canary fails step-2
+    rolled = fleet.wait_for("reload.rolled_back", engine=follower.url, timeout=20)
+    assert (rolled["cause"], rolled["version"], rolled["to_version"]) == ("fleet", "step-2", "step-1")
+    assert "canary host canary-2 failed it" in rolled["reason"]
+    assert follower.engine.version == "step-1" and not follower.engine.paused
+    time.sleep(0.5)  # several more polls: step-2 stays rejected, step-1 serves
+    loads = [c for c in follower.engine.calls if c.startswith("reload:") and "step-2" in c]
+    assert len(loads) == 1, "never loaded again"
+    assert follower.engine.version == "step-1"
+    rejected = fleet.events("checkpoint.rejected", version="step-2")
+    assert rejected and all(r["check"] == "canary" for r in rejected)
+
+
 # -- one host name, two canary hosts ----------------------------------------------------------
 
 

@@ -168,3 +168,17 @@ def test_verdict_folder_with_a_key_that_cannot_be_listed_waits_and_says_why(
     bucket.put(f"step-9/_verdicts/{FP1}//odd", b"x")
     status, why = fleet(store, tmp_path).clearance("step-9", FP1)
     assert status == "waiting" and "cannot be listed" in why
+
+
+def test_verdict_recall_tells_each_served_content_a_canary_host_failed_once(
+    bucket: Bucket, store: Store, tmp_path: Path
+):
+    follower = fleet(store, tmp_path / "f", "follower")
+    write(fleet(store, tmp_path / "a"), "step-2", FP2, False, "canary: NaN")
+    write(fleet(store, tmp_path / "a"), "step-1", FP1, True)
+    served = [("step-1", FP1), ("step-2", FP2), ("step-3", "")]
+    (recalled,) = follower.recalls(served)
+    assert recalled == verdicts.Recalled(
+        "step-2", "step-2", FP2, "canary host canary-1 failed it: canary: NaN"
+    )
+    assert follower.recalls(served) == [], "told once"

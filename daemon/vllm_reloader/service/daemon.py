@@ -27,7 +27,7 @@ from ..errors import ConfigError
 from ..sources import local
 from ..sources.remote import RemoteSource
 from ..sources.verdicts import Verdict
-from . import status
+from . import fleet, status
 from .control import ControlServer, Request
 from .messages import (
     ControlRequest,
@@ -35,6 +35,7 @@ from .messages import (
     FileChanged,
     GateFinished,
     Message,
+    Recalled,
     Rejected,
     ReloadFinished,
     Reverified,
@@ -105,6 +106,7 @@ class Daemon:
             rejected=self.reloader.catalog.rejected_fingerprints,
             post=self.inbox.put,
             verified_files=self.reloader.gater.cache,
+            serves=lambda: fleet.served_content(self.reloader.engines),  # a follower checks them
         )
 
     def _verdict(self, verdict: Verdict) -> None:
@@ -257,6 +259,8 @@ class Daemon:
                 self.reloader.prune_cache()
             case Rejected(name, version, reason, fingerprint, check):
                 self.reloader.rejected_remotely(name, version, reason, fingerprint, check)
+            case Recalled(name, version, fingerprint, reason):  # a follower goes back from it
+                self.reloader.recalled(name, version, fingerprint, reason)
             case GateFinished():  # stopping: nothing new is loaded
                 self.reloader.gated(message, act=self.stopping_since is None)
             case ReloadFinished(outcome):

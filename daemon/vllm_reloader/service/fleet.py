@@ -1,17 +1,24 @@
 """This host's part in a fleet, on the main loop (the records are `sources.verdicts`).
 
 A canary host tells the fleet what it made of each content: its canary engine's reload and
-canary (`judged`), and its gate's rejections, local or made while downloading (`rejected`).
+canary (`judged`), and its gate's rejections, local or made while downloading (`rejected`). A
+follower whose engines serve a version that a canary host failed after they loaded it goes
+back from it (`Recalls`): rejected like any failed version, dropped from the rollback history,
+and every engine serving it loads its rollback target, as room allows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from ..checkpoint import order
 from ..sources.verdicts import Verdict
+from .engines import Engine
 from .jobs import Job
-from .outcomes import Decision
+from .outcomes import Decision, Event
+from .state import Loaded
 
 FLEET_CHECK = "canary"
 """The check a rejection taken from the canary hosts' records carries (as before downloading)."""
@@ -40,3 +47,95 @@ def rejected(
         return None
     base = order.base_name(name)
     return Verdict(base, version or base, fingerprint, False, reason)
+
+
+def served_content(engines: Iterable[Engine]) -> tuple[tuple[str, str], ...]:
+    """What the engines serve, as (name, fingerprint), for the object-store thread to check."""
+    return tuple(
+        (order.base_name(loaded.name), loaded.fingerprint)
+        for engine in list(engines)
+        if (loaded := engine.served.serving) is not None and loaded.fingerprint and loaded.in_root
+    )
+
+
+@dataclasses.dataclass
+class Recalls:
+    """Contents a canary host failed while engines here served them."""
+
+    log: Any
+    failed: dict[tuple[str, str], tuple[str, str]] = dataclasses.field(default_factory=dict)
+    """(name, fingerprint) → (version, reason)."""
+    rolling: dict[str, tuple[Job, str, str]] = dataclasses.field(default_factory=dict)
+    """An engine's URL → its rollback job, with the version it leaves and why."""
+    stuck: set[tuple[str, str, str]] = dataclasses.field(default_factory=set)
+    """(engine URL, name, fingerprint) with nothing to go back to: said once."""
+
+    def covers(self, loaded: Loaded | None) -> bool:
+        if loaded is None or not loaded.fingerprint:
+            return False
+        return (order.base_name(loaded.name), loaded.fingerprint) in self.failed
+
+    def add(self, name: str, version: str, fingerprint: str, reason: str, engines: Iterable[Engine]) -> None:
+        self.failed[(name, fingerprint)] = (version, reason)
+        self._forget(engines)
+
+    def _forget(self, engines: Iterable[Engine]) -> None:
+        """Never a rollback target, nor what the other engines of this host converge to."""
+        for engine in engines:
+            served = engine.served
+            if any(self.covers(g) for g in served.good):
+                served.good = tuple(g for g in served.good if not self.covers(g))
+
+    def tend(
+        self,
+        engines: Iterable[Engine],
+        room: int,
+        now: float,
+        target: Callable[[Engine, str], Loaded | None],
+        load: Callable[[Engine, Loaded], None],
+    ) -> None:
+        """Each idle engine serving a recalled content loads its rollback target (`target`,
+        skipping what it serves), as `room` allows; one with none left keeps serving it."""
+        engines = list(engines)
+        if not self.failed:
+            return
+        self._forget(engines)
+        for engine in engines:
+            serving, served = engine.served.serving, engine.served
+            if room <= 0:
+                return
+            if serving is None or not self.covers(serving) or engine.in_flight is not None:
+                continue
+            content = (engine.url, order.base_name(serving.name), serving.fingerprint)
+            if not served.reconciled or now < engine.retry_at_follow or content in self.stuck:
+                continue
+            _, reason = self.failed[content[1:]]
+            back = target(engine, serving.name)
+            fields = {"version": serving.version, "fingerprint": serving.fingerprint, "reason": reason}
+            if back is None:
+                self.stuck.add(content)
+                engine.log.error(
+                    "fleet.recalled",
+                    to_version=None,
+                    action="keeps serving it: nothing to go back to",
+                    **fields,
+                )
+                continue
+            engine.log.warning("fleet.recalled", to_version=back.version, **fields)
+            load(engine, back)
+            if engine.in_flight is not None:
+                self.rolling[engine.url] = (engine.in_flight, serving.version, reason)
+            room -= 1
+
+    def finished(self, url: str, job: Job, decision: Decision) -> Decision:
+        """A rollback this made came back: said as one (`reload.rolled_back`, cause `fleet`)."""
+        rolling = self.rolling.get(url)
+        if rolling is None or rolling[0] is not job:
+            return decision
+        del self.rolling[url]
+        if decision.result != "succeeded":
+            return decision
+        _, version, reason = rolling
+        fields = {"version": version, "to_version": job.target.version, "cause": "fleet", "reason": reason}
+        event = Event("warning", "reload.rolled_back", fields)
+        return dataclasses.replace(decision, events=(*decision.events, event), rollback="fleet")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..sources.remote import Downloaded, Rejected
+from ..sources.verdicts import Recalled
 from .control import Reply
 from .gating import GateFinished
 from .jobs import Outcome, WarmedUp
@@ -57,6 +58,7 @@ Message = (
     | ShardWritten
     | Downloaded
     | Rejected
+    | Recalled
     | GateFinished
     | ReloadFinished
     | WarmedUp
@@ -70,6 +72,7 @@ __all__ = [
     "FileChanged",
     "GateFinished",
     "Message",
+    "Recalled",
     "Rejected",
     "ReloadFinished",
     "Reverified",

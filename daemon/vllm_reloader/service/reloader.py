@@ -82,6 +82,7 @@ class Reloader:
         self.ready: Ready | None = None
         self.next_rescan = 0.0
         self.gater = Gater(post, config.gate.digest_threads)
+        self.recalls = fleet.Recalls(self.log)
         self.reverifier = Reverifier(post)
 
     # -- the first engine: the canary engine, whose history is the host's ----------------------
@@ -159,6 +160,7 @@ class Reloader:
         self.catalog.refresh_dirty()
         for engine in self.engines:
             engine.tend(now, self.config.engine, self._reconcile)
+        self.recalls.tend(self.engines, self._room(), now, self._rollback_target, self._restore)
         self._advance()
         self._converge(now)
 
@@ -179,13 +181,18 @@ class Reloader:
         self._reject(name, version, reason, fingerprint, check=check)
         self._tell(fleet.rejected(name, version, reason, fingerprint, {"check": check}))
 
+    def recalled(self, name: str, version: str, fingerprint: str, reason: str) -> None:
+        """A follower: a canary host failed a version engines here serve; they go back from it."""
+        self.recalls.add(name, version, fingerprint, reason, self.engines)
+        self._reject(name, version, reason, fingerprint, check=fleet.FLEET_CHECK)
+
     def finished(self, outcome: Outcome) -> None:
         """A reload came back from an engine's reload thread: apply what it means, then say it
         (the log line comes once the state file and the cache agree with it)."""
         engine = self.engines.take(outcome.job)
         if engine is None:
             return
-        decision = outcomes.decide(outcome, now=time.time())
+        decision = self.recalls.finished(engine.url, outcome.job, outcomes.decide(outcome, now=time.time()))
         if engine is not self.canary:
             decision = engine.as_follower(decision, self.config.engine)
         elif outcome.job.candidate.fingerprint:  # not a restore
@@ -279,8 +286,12 @@ class Reloader:
             return False
         engine.log.warning("engine.weights_unknown", engine_reported=marker, restoring=target.version)
         self.set_serving(engine, None)
-        self._load(engine, order.Candidate(target.name, target.step, ""), target, 0)
+        self._restore(engine, target)
         return True
+
+    def _restore(self, engine: Engine, target: Loaded) -> None:
+        """Load a checkpoint back (not a new version: no canary verdict for the fleet)."""
+        self._load(engine, order.Candidate(target.name, target.step, ""), target, 0)
 
     def _rollback_target(self, engine: Engine, skip: str | None = None) -> Loaded | None:
         options = gate.GateOptions.from_config(self.config)

@@ -22,7 +22,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,7 +60,7 @@ class Rejected:
     check: str
 
 
-SourceEvent = Downloaded | Rejected
+SourceEvent = Downloaded | Rejected | verdicts.Recalled
 
 
 @dataclass(frozen=True)
@@ -93,10 +93,14 @@ class RemoteSource:
         post: Callable[[SourceEvent], None],
         store: Store | None = None,
         verified_files: verified.Cache | None = None,
+        serves: Callable[[], Iterable[tuple[str, str]]] = tuple,
     ) -> None:
         """`verified_files`: where the digests checked while downloading are kept, by the
-        placed files' identities, so the local gate does not hash them again."""
+        placed files' identities, so the local gate does not hash them again. `serves`: what
+        the engines here serve, as (name, fingerprint): a follower goes back from one a canary
+        host fails later."""
         self.config, self.serving, self.rejected, self.post = config, serving, rejected, post
+        self.serves = serves
         self.verified_files = verified_files
         self.store = store or Store(config.source.path, endpoint_url=config.source.endpoint_url)
         self.log = log.get()
@@ -199,6 +203,9 @@ class RemoteSource:
                 if not local.is_ignored(name, self.config.source.ignore):
                     by_name[name] = self._objects_by_head(name, problem)
             self._refresh({name: objects for name, objects in by_name.items() if objects})
+            if self.config.rollout.role == "follow":  # what serves here, failed by a canary host since
+                for recalled in self.fleet.recalls(self.serves()):
+                    self.post(recalled)
         except SourceError as exc:
             self._report("source", str(exc), retry_in_s=self.config.source.interval)
             return

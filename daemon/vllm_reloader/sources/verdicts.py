@@ -5,7 +5,8 @@ A canary host whose engine judged a version writes one record per (content, host
 create (`If-None-Match: *`). A record is never overwritten, a `failed` never waits behind a
 `passed` (its own key), and a record judges exactly one content: the name rewritten with other
 bytes has another fingerprint, so another folder. A follower reads a version's folder by its
-own LIST and loads it only once `min_canaries` hosts passed it and none failed it.
+own LIST and loads it only once `min_canaries` hosts passed it and none failed it; one that
+serves a version a canary host fails later goes back from it (`service.fleet`).
 
 Each daemon writes a random instance id (kept in its state dir) into its records: a record
 under this host's name written by another instance means two canary hosts share a name
@@ -22,7 +23,7 @@ import queue
 import re
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -109,6 +110,16 @@ class Verdict:
 
 
 @dataclass(frozen=True)
+class Recalled:
+    """A follower: a canary host failed a version an engine here serves; go back from it."""
+
+    name: str
+    version: str
+    fingerprint: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Tally:
     passed: tuple[str, ...] = ()
     """Hosts that recorded the content as passed (each name once)."""
@@ -177,6 +188,8 @@ class Fleet:
         self.reader = Reader(store)
         self.queued: queue.SimpleQueue[Verdict] = queue.SimpleQueue()
         self._instance: str | None = None
+        self.recalled: set[tuple[str, str]] = set()
+        """(name, fingerprint) already told to the loop as failed while served here."""
 
     @property
     def instance(self) -> str:
@@ -254,3 +267,20 @@ class Fleet:
         except Unlistable as exc:
             return "waiting", f"the canary hosts' records cannot be listed: {exc}"
         return tally.clearance(self.rollout.min_canaries)
+
+    def recalls(self, served: Iterable[tuple[str, str]]) -> list[Recalled]:
+        """Of the contents engines here serve ((name, fingerprint)), those a canary host failed
+        since: each told once."""
+        found = []
+        for name, fingerprint in sorted(set(served)):
+            if (name, fingerprint) in self.recalled or not _FINGERPRINT.fullmatch(fingerprint):
+                continue
+            try:
+                tally = self.tally(name, fingerprint)
+            except Unlistable:
+                continue  # its records cannot be read: as before
+            status, why = tally.clearance(self.rollout.min_canaries)
+            if status == "failed":
+                found.append(Recalled(name, tally.version or name, fingerprint, why))
+        self.recalled.update((r.name, r.fingerprint) for r in found)  # none, if a LIST failed
+        return found
