@@ -38,7 +38,7 @@ def test_e2e_fleet_follower_loads_only_what_a_canary_host_passed(
     world: World, tmp_path: Path, bucket: Bucket
 ):
     """It stops the world's daemon first (one engine, one daemon), and starts it again after."""
-    from vllm_reloader.tools.publish import publish_remote
+    from vllm_reloader.tools.upload import publish_remote
 
     assert world.daemon.stop() == 0
     follower_engine = FakeEngine(startup=str(world.root / world.serving))
@@ -95,3 +95,68 @@ def test_e2e_fleet_follower_loads_only_what_a_canary_host_passed(
                 assert daemon.stop() == 0
         server.close()
         world.start_daemon()  # the engine back to the world's daemon, for the modules after
+
+
+def rewrite(bucket: Bucket, checkpoint: Path, name: str) -> None:
+    """Objects written over `name` as a trainer's own uploader does, the manifest last."""
+    bucket.upload_dir(checkpoint, name, skip=("manifest.json",))
+    bucket.put(f"{name}/manifest.json", (checkpoint / "manifest.json").read_bytes())
+
+
+def test_e2e_fleet_rewritten_name_failed_on_the_canary_host_never_reaches_the_follower(
+    world: World, tmp_path: Path, bucket: Bucket
+):
+    """`latest` v1 passes on the canary host and the follower loads it; `latest` is rewritten
+    with v2 (same name, same step, other bytes). The canary host loads v2 (a new version: new
+    content), its canary fails, it goes back to v1 (whose cached copy the download of v2 left
+    alone) and records v2 failed; the follower never counts v1's pass for v2."""
+    from vllm_reloader.checkpoint.completeness import fingerprint_of
+    from vllm_reloader.tools.publish import publish
+
+    assert world.daemon.stop() == 0
+    step = 10**7 + 10
+    v1 = publish(world.staging / "seed-3", tmp_path / "v1", name="latest", step=step)
+    v2 = publish(
+        exploding(world.staging / "seed-3", tmp_path / "bad"), tmp_path / "v2", name="latest", step=step
+    )
+    v2_fingerprint = fingerprint_of((v2 / "manifest.json").read_bytes())
+    follower_engine = FakeEngine(startup=str(world.staging / "seed-1"))  # its layout baseline
+    server = FakeEngineServer(follower_engine)
+    canary = follower = None
+    try:
+        canary = DaemonProcess(
+            fleet_config(
+                tmp_path / "canary.toml", bucket, world.engine.url, tmp_path / "canary",
+                'role = "canary"\nhost = "canary-1"',
+            )
+        )  # fmt: skip
+        follower = DaemonProcess(
+            fleet_config(
+                tmp_path / "follower.toml", bucket, server.url, tmp_path / "follower",
+                'role = "follow"\nmin_canaries = 1\nhost = "follower-1"',
+            )
+        )  # fmt: skip
+        rewrite(bucket, v1, "latest")
+        canary.wait_for("verdict.recorded", name="latest", verdict="passed", timeout=120)
+        follower.wait_for("reload.succeeded", version="latest", timeout=60)
+        served_v1 = follower_engine.loaded
+        expected = world.engine.complete()
+
+        rewrite(bucket, v2, "latest")
+        rolled = canary.wait_for("reload.rolled_back", version="latest", timeout=120)
+        assert rolled["cause"] == "canary" and rolled["to_version"] == "latest"
+        failed = canary.wait_for("verdict.recorded", name="latest", verdict="failed", timeout=30)
+        assert v2_fingerprint in str(failed["key"]), "the record is keyed by the content it judged"
+        rejected = follower.wait_for("checkpoint.rejected", name="latest", check="canary", timeout=30)
+        assert rejected["fingerprint"] == v2_fingerprint
+        assert world.engine.complete() == expected, "the canary host serves v1 again"
+        assert follower_engine.loaded == served_v1, "the follower still serves v1"
+        assert not [c for c in follower_engine.calls if v2_fingerprint[:16] in c], "v2 never reached it"
+        assert not canary.events("reload.canary_failed_no_fallback")
+        world.serving, world.expected = "latest", expected
+    finally:
+        for daemon in (canary, follower):
+            if daemon is not None:
+                assert daemon.stop() == 0
+        server.close()
+        world.start_daemon()
