@@ -89,7 +89,7 @@ def _publish(args: argparse.Namespace) -> int:
     from .config import REMOTE_SCHEMES
 
     if args.into.startswith(REMOTE_SCHEMES):
-        from .tools.publish import publish_remote
+        from .tools.upload import publish_remote
 
         if args.move:
             return _fail(2, "--move works only into a local root")

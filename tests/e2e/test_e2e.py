@@ -375,7 +375,7 @@ def test_e2e_hot_reloads_under_load_lose_no_request(world: World, mode: str):
 
 def test_e2e_object_store_publish_reaches_the_real_engine(world: World, tmp_path: Path, bucket: Bucket):
     """It stops the world's daemon first (one engine, one daemon), and starts it again after."""
-    from vllm_reloader.tools.publish import publish_remote
+    from vllm_reloader.tools.upload import publish_remote
 
     assert world.daemon.stop() == 0
     config = tmp_path / "remote.toml"

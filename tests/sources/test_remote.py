@@ -293,7 +293,7 @@ def wait_for(logs: list[dict], event: str, timeout: float = 15.0, **fields: obje
 def test_daemon_loads_from_the_bucket_and_keeps_only_what_it_may_need(
     tmp_path, bucket: Bucket, make_checkpoint: MakeCheckpoint
 ):
-    from vllm_reloader.tools.publish import publish_remote
+    from vllm_reloader.tools.upload import publish_remote
 
     startup = make_checkpoint("startup", root=tmp_path / "models")
     engine = FakeEngine(startup=str(startup))
@@ -463,7 +463,7 @@ def test_remote_single_safetensors_waits_for_quiet(tmp_path, bucket: Bucket):
 
 
 def test_daemon_with_keep_0_still_loads_what_it_downloaded(tmp_path, bucket: Bucket, make_checkpoint):
-    from vllm_reloader.tools.publish import publish_remote
+    from vllm_reloader.tools.upload import publish_remote
 
     engine = FakeEngine(startup=str(make_checkpoint("startup", root=tmp_path / "models")))
     with structlog.testing.capture_logs() as logs:

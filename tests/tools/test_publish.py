@@ -7,6 +7,7 @@ from tests.support.checkpoints import write_weights
 from vllm_reloader.checkpoint import gate
 from vllm_reloader.errors import PublishError
 from vllm_reloader.tools import publish as publish_module
+from vllm_reloader.tools import upload as upload_module
 from vllm_reloader.tools.publish import publish
 
 
@@ -74,7 +75,7 @@ def test_publish_into_s3_claims_the_name_streams_the_files_then_creates_the_mani
     upload reads an open file), the manifest last (create-only), then the claim deleted."""
     import obstore
 
-    from vllm_reloader.tools.publish import publish_remote
+    from vllm_reloader.tools.upload import publish_remote
 
     calls: list[tuple[str, object, str]] = []
     claims: list[dict[str, object]] = []
@@ -113,7 +114,7 @@ def test_publish_into_s3_claims_the_name_streams_the_files_then_creates_the_mani
 
 def test_publish_into_s3_never_overwrites_a_version(src, bucket):
     from vllm_reloader.sources.objstore import Store
-    from vllm_reloader.tools.publish import publish_remote
+    from vllm_reloader.tools.upload import publish_remote
 
     publish_remote(src, bucket.url, name="v1")
     with pytest.raises(PublishError, match="already exists"):
@@ -233,7 +234,7 @@ def test_publish_remote_loser_never_overwrites_the_winners_files(
     its version verifies; the loser fails in one line, uploads nothing, and leaves no claim."""
     import obstore
 
-    from vllm_reloader.tools.publish import publish_remote
+    from vllm_reloader.tools.upload import publish_remote
 
     other = tmp_path / "other-trainer"
     write_weights(other, shards=2, seed=1)  # same names, other bytes
@@ -281,7 +282,7 @@ def test_publish_remote_loser_never_overwrites_the_winners_files(
 def test_publish_remote_refuses_a_claim_a_crash_left_and_touches_nothing(src, tmp_path, bucket):
     """A publish killed midway left its claim and some files, no manifest. A new publish of the
     name fails in one line naming the claim, touches nothing, and says what to delete."""
-    from vllm_reloader.tools.publish import publish_remote
+    from vllm_reloader.tools.upload import publish_remote
 
     claim = json.dumps({"host": "trainer-7", "pid": 4242, "started_at": "2026-12-01T10:00:00+00:00"})
     bucket.put("v1/.publishing", claim.encode())
@@ -303,7 +304,7 @@ def test_publish_remote_refuses_a_claim_a_crash_left_and_touches_nothing(src, tm
 def test_publish_remote_refuses_a_name_holding_a_foreign_file_and_removes_its_claim(src, bucket):
     """Another writer's file under v1/ (no claim, no manifest): refused, the file left as it
     is, and the claim this publish made is gone."""
-    from vllm_reloader.tools.publish import publish_remote
+    from vllm_reloader.tools.upload import publish_remote
 
     bucket.put("v1/notes.txt", b"a foreign writer's")
     bucket.put("v10/config.json", b"another name: not in v1/")
@@ -323,9 +324,9 @@ def test_publish_remote_uploads_a_file_larger_than_a_part_in_parts_and_it_verifi
     more), and the manifest's digest is of the bytes uploaded."""
     import obstore
 
-    from vllm_reloader.tools.publish import publish_remote
+    from vllm_reloader.tools.upload import publish_remote
 
-    monkeypatch.setattr(publish_module, "PART_SIZE", 5 << 20)
+    monkeypatch.setattr(upload_module, "PART_SIZE", 5 << 20)
     (src / "optimizer.bin").write_bytes(os.urandom((11 << 20) + 12345))  # 3 parts: 5, 5, 1 MiB
     real_put = obstore.put
     part_sizes: dict[str, int] = {}
@@ -346,11 +347,11 @@ def test_publish_remote_uploads_a_file_larger_than_a_part_in_parts_and_it_verifi
 
 def test_publish_remote_part_size_grows_past_10000_parts():
     """S3 takes at most 10,000 parts in one upload: a file of more grows its parts instead."""
-    part = publish_module.PART_SIZE
-    assert publish_module._part_size(0) == part
-    assert publish_module._part_size(10_000 * part) == part
-    assert publish_module._part_size(10_000 * part + 1) == part + 1
-    assert publish_module._part_size(5 << 40) * 10_000 >= 5 << 40
+    part = upload_module.PART_SIZE
+    assert upload_module._part_size(0) == part
+    assert upload_module._part_size(10_000 * part) == part
+    assert upload_module._part_size(10_000 * part + 1) == part + 1
+    assert upload_module._part_size(5 << 40) * 10_000 >= 5 << 40
 
 
 def test_publish_remote_failing_midway_removes_only_what_it_uploaded_and_its_claim(src, bucket, monkeypatch):
@@ -359,7 +360,7 @@ def test_publish_remote_failing_midway_removes_only_what_it_uploaded_and_its_cla
     import obstore
 
     from vllm_reloader.errors import SourceError
-    from vllm_reloader.tools.publish import publish_remote
+    from vllm_reloader.tools.upload import publish_remote
 
     bucket.put("v0/config.json", b"another version")
     real_put = obstore.put
@@ -379,9 +380,9 @@ def test_publish_remote_failing_midway_removes_only_what_it_uploaded_and_its_cla
 
 
 def test_publish_remote_unreadable_file_removes_what_it_uploaded(src, bucket, monkeypatch):
-    from vllm_reloader.tools.publish import publish_remote
+    from vllm_reloader.tools.upload import publish_remote
 
-    real = publish_module._open_hashing
+    real = upload_module._open_hashing
     calls = {"n": 0}
 
     def denied_on_the_second(path):  # type: ignore[no-untyped-def]
@@ -390,7 +391,7 @@ def test_publish_remote_unreadable_file_removes_what_it_uploaded(src, bucket, mo
             raise PermissionError(13, "Permission denied")
         return real(path)
 
-    monkeypatch.setattr(publish_module, "_open_hashing", denied_on_the_second)
+    monkeypatch.setattr(upload_module, "_open_hashing", denied_on_the_second)
     with pytest.raises(PublishError, match="publishing v1: Permission denied"):
         publish_remote(src, bucket.url, name="v1")
     assert bucket.listed() == []
@@ -402,7 +403,7 @@ def test_publish_remote_fails_when_a_file_changes_while_it_uploads(src, bucket, 
     fails naming it and removes what it uploaded, claim included."""
     import obstore
 
-    from vllm_reloader.tools.publish import publish_remote
+    from vllm_reloader.tools.upload import publish_remote
 
     real_put = obstore.put
     path = src / "config.json"
@@ -435,7 +436,7 @@ def test_publish_remote_whose_create_landed_before_a_retry_said_it_exists_goes_o
     """A create-only PUT (the manifest's, the claim's) landed but its answer was lost; the retry
     gets 412. The bytes there are this publish's own: it goes on, and succeeds."""
     from vllm_reloader.sources.objstore import Store
-    from vllm_reloader.tools.publish import publish_remote
+    from vllm_reloader.tools.upload import publish_remote
 
     real_create = Store.create
 
@@ -457,7 +458,7 @@ def test_publish_remote_whose_manifest_loses_to_a_writer_without_claim_keeps_the
     import obstore
 
     from tests.support.checkpoints import write_manifest
-    from vllm_reloader.tools.publish import publish_remote
+    from vllm_reloader.tools.upload import publish_remote
 
     other = tmp_path / "other-trainer"
     write_weights(other, shards=1, config={"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
@@ -487,7 +488,7 @@ def test_publish_remote_whose_manifest_may_have_landed_removes_nothing(src, buck
     claim too; the error says what to check."""
     import obstore
 
-    from vllm_reloader.tools.publish import publish_remote
+    from vllm_reloader.tools.upload import publish_remote
 
     real_put = obstore.put
 

@@ -166,6 +166,19 @@ class Catalog:
             version=version, reason=reason, fingerprint=fingerprint, at=time.time()
         )
 
+    def pin(self, name_or_version: str | None) -> str | None:
+        """An operator's pin (None: unpin), by directory name or version; returns an error."""
+        if name_or_version is None:
+            self.log.info("control.unpinned", name=self.pinned)
+            self.pinned = None
+            return None
+        match = self.find(name_or_version)
+        if match is None:
+            return f"no checkpoint named {name_or_version!r} in {self.root}"
+        self.log.info("control.pinned", name=match)
+        self.pinned = match
+        return None
+
     def find(self, name_or_version: str) -> str | None:
         """A candidate by directory name or manifest version (for `pin`), after a rescan."""
         self.rescan()

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import layout, order
-from ..config import Config, EngineConfig
-from ..engine.client import BUILTIN_LOADER_FIX, BUILTIN_LOADER_RISK, EngineClient
+from ..config import CanaryConfig, Config, EngineConfig
+from ..engine.client import BUILTIN_LOADER_FIX, BUILTIN_LOADER_RISK, STARTUP_VERSION, EngineClient
 from ..engine.swap import Target
 from ..errors import EngineCallFailed, EngineError, EngineNotSetUp, EngineUnavailable
 from . import outcomes, reconcile, rollout, setup, status
-from .jobs import Job, Outcome, ReloadWorker, WarmedUp
+from .jobs import Job, Outcome, ReloadWorker, WarmedUp, WarmUp
 from .metrics import Metrics
 from .served import Served
 from .state import Loaded
@@ -202,6 +202,29 @@ class Engine:
             **found.logged(),
         )
         return version, serving
+
+    def settle(self, version: str, serving: Loaded, canary: CanaryConfig) -> None:
+        """After `learn`, unless a restore runs: resume an engine found paused, name startup
+        weights from the root, and warm the engine up for its first canary."""
+        if self.client.is_paused():
+            # Only a daemon killed mid-reload leaves it so: nothing else pauses this engine.
+            self.client.resume()
+            self.log.warning("engine.resumed", reason="found paused at reconcile")
+        if version == STARTUP_VERSION and serving.in_root:
+            # Name the startup weights, so clients and `weight_info` see which checkpoint it is.
+            self.client.set_weight_version(serving.version)
+        if canary.enabled:
+            self.worker.submit(WarmUp(self.client, canary))
+
+    def deadlines(self) -> Iterator[float]:
+        """When the loop must next act for this engine."""
+        served = self.served
+        if served.reconciled and self.in_flight is None:
+            yield served.next_check
+            if self.last_error is not None:
+                yield self.retry_at_follow
+        if not served.reconciled or served.resume_owed:
+            yield served.retry_at
 
 
 class Engines:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint import gate, layout, order, scan, verified
+from .state import Loaded
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,15 @@ class GateFinished:
     @property
     def cancelled(self) -> bool:
         return bool(self.verdict.details.get("cancelled"))
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A verdict of `ready` waiting for room: `max_unavailable` engines were busy when it came."""
+
+    candidate: order.Candidate
+    loading: Loaded
+    size: int
 
 
 @dataclass(frozen=True)

@@ -14,36 +14,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 from .. import failpoints, log
 from ..checkpoint import gate, order
-from ..checkpoint.files import Identity
 from ..config import Config
-from ..engine.client import RELOADING_PREFIX, STARTUP_VERSION, EngineClient
+from ..engine.client import RELOADING_PREFIX, EngineClient
 from ..sources.verdicts import Verdict
 from . import fleet, outcomes, rollback, rollout, status
 from .catalog import Catalog, detection_lag_ms
 from .engines import Engine, Engines
-from .gating import GateFinished, Gater, Gating
-from .jobs import Job, Outcome, WarmedUp, WarmUp
+from .gating import GateFinished, Gater, Gating, Ready
+from .jobs import Job, Outcome, WarmedUp
 from .messages import ReloadFinished
 from .metrics import Metrics
 from .reconcile import with_fingerprints
-from .reverify import Reverified, Reverifier
+from .reverify import Reverified
 from .served import Served
 from .state import Loaded, State, StateFile
 from .status import Snapshot
-
-
-@dataclass(frozen=True)
-class Ready:
-    """A verdict of `ready` waiting for room: `max_unavailable` engines were busy when it came."""
-
-    candidate: order.Candidate
-    loading: Loaded
-    size: int
 
 
 class Reloader:
@@ -83,7 +72,7 @@ class Reloader:
         self.next_rescan = 0.0
         self.gater = Gater(post, config.gate.digest_threads)
         self.recalls = fleet.Recalls(self.log)
-        self.reverifier = Reverifier(post)
+        self.targets = rollback.Targets(post, self.metrics, self.log)
 
     # -- the first engine: the canary engine, whose history is the host's ----------------------
 
@@ -110,16 +99,16 @@ class Reloader:
     def start(self) -> None:
         self.engines.start()
         self.gater.start()
-        self.reverifier.start()
+        self.targets.reverifier.start()
 
     def is_alive(self) -> bool:
-        return self.engines.is_alive() and self.gater.is_alive() and self.reverifier.is_alive()
+        return self.engines.is_alive() and self.gater.is_alive() and self.targets.reverifier.is_alive()
 
     def close(self) -> None:
         if self.gating is not None:
             self.gating.cancel.set()
         self.gater.close()
-        self.reverifier.close()
+        self.targets.reverifier.close()
         self.engines.close()
 
     def reconfigure(self, config: Config) -> None:
@@ -136,17 +125,9 @@ class Reloader:
         self.engines.regroup(config.engine, (self.served.serving, self.served.good))
 
     def next_deadline(self) -> float:
-        deadlines = [self.next_rescan]
+        deadlines = [self.next_rescan, *(at for engine in self.engines for at in engine.deadlines())]
         if self.gating is None and (recheck := self.catalog.next_recheck()) is not None:
             deadlines.append(recheck)
-        for engine in self.engines:
-            served = engine.served
-            if served.reconciled and engine.in_flight is None:
-                deadlines.append(served.next_check)
-                if engine.last_error is not None:
-                    deadlines.append(engine.retry_at_follow)
-            if not served.reconciled or served.resume_owed:
-                deadlines.append(served.retry_at)
         return min(deadlines)
 
     def tick(self) -> None:
@@ -234,17 +215,12 @@ class Reloader:
 
     def pin(self, name: str) -> str | None:
         """Pin a checkpoint by directory name or version; returns an error, or None."""
-        match = self.catalog.find(name)
-        if match is None:
-            return f"no checkpoint named {name!r} in {self.root}"
-        self.log.info("control.pinned", name=match)
-        self.catalog.pinned = match
+        error = self.catalog.pin(name)
         self._persist()
-        return None
+        return error
 
     def unpin(self) -> None:
-        self.log.info("control.unpinned", name=self.catalog.pinned)
-        self.catalog.pinned = None
+        self.catalog.pin(None)
         self._persist()
 
     def check_now(self) -> None:
@@ -265,17 +241,9 @@ class Reloader:
             engine, version, serving
         ):
             return  # the restore resumes the engine
-        if engine.client.is_paused():
-            # Only a daemon killed mid-reload leaves it so: nothing else pauses this engine.
-            engine.client.resume()
-            engine.log.warning("engine.resumed", reason="found paused at reconcile")
-        if version == STARTUP_VERSION and serving.in_root:
-            # Name the startup weights, so clients and `weight_info` see which checkpoint it is.
-            engine.client.set_weight_version(serving.version)
+        engine.settle(version, serving, self.config.canary)
         self.set_serving(engine, serving)
         self._rollback_target(engine)  # known before anything fails, and shown in `status`
-        if self.config.canary.enabled:
-            engine.worker.submit(WarmUp(engine.client, self.config.canary))
 
     def _restore_after_interrupted_reload(self, engine: Engine, marker: str, unknown: Loaded) -> bool:
         """The weights may be a mix of two checkpoints: load a good one back, if one is left.
@@ -295,14 +263,7 @@ class Reloader:
 
     def _rollback_target(self, engine: Engine, skip: str | None = None) -> Loaded | None:
         options = gate.GateOptions.from_config(self.config)
-
-        def reverify(target: Loaded, now: tuple[Identity, ...]) -> None:
-            self.reverifier.submit(target, now, engine.served.baseline, options)
-
-        served, candidates = engine.served, self.catalog.candidates
-        target = rollback.choose(served, self.root, candidates, skip=skip, log=engine.log, reverify=reverify)
-        self.metrics.rollback_ready.labels(engine=engine.url).set(1 if target else 0)
-        return target
+        return self.targets.of(engine, self.root, self.catalog.candidates, options, skip)
 
     def _room(self) -> int:
         """How many more engines may be paused now."""
@@ -317,7 +278,7 @@ class Reloader:
             return
         if self.ready is not None and self._room() > 0:
             self._rollback_target(canary, skip=self.ready.candidate.name)  # moved targets: read again
-            if self.reverifier.under_way:
+            if self.targets.reverifier.under_way:
                 return  # load once the rollback target's bytes are known
             ready, self.ready = self.ready, None
             self._load(canary, ready.candidate, ready.loading, ready.size)
@@ -392,15 +353,7 @@ class Reloader:
         engine.load(candidate, loading, size, fallback, self.config, detect_ms=lag_ms)
 
     def reverified(self, result: Reverified) -> None:
-        """A rollback target's bytes were read again: the same ones take their new identities."""
-        self.reverifier.done(result)
-        fields = {"name": result.name, "fingerprint": result.fingerprint, "seconds": round(result.seconds, 3)}
-        if result.files is None:
-            self.log.warning("rollback.reverified", same_bytes=False, reason=result.reason, **fields)
-        else:
-            self.log.info("rollback.reverified", same_bytes=True, **fields)
-            for engine in self.engines:
-                engine.served.reidentified(result.name, result.fingerprint, result.files)
+        if self.targets.reverified(result, self.engines):
             self._persist()
         for engine in self.engines:
             self._rollback_target(engine)

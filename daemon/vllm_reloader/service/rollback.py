@@ -15,12 +15,14 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import layout, order
+from ..checkpoint import gate, layout, order
 from ..checkpoint.files import Identity, changed
 from ..engine.client import STARTUP_VERSION
 from ..errors import LayoutUnreadable
 from . import reconcile
-from .reverify import moved
+from .engines import Engine
+from .metrics import Metrics
+from .reverify import Reverified, Reverifier, moved
 from .served import Served
 from .state import Loaded
 
@@ -96,3 +98,40 @@ def choose(
         log.info("rollback.target", version=found, passed_over=passed or None)
     served.rollback = found
     return target
+
+
+class Targets:
+    """Each engine's rollback target, worked out when it is needed (and shown in the metrics);
+    a target whose files moved at the same sizes is read again off the loop (`reverify`)."""
+
+    def __init__(self, post: Callable[[Reverified], None], metrics: Metrics, log: Any) -> None:
+        self.reverifier = Reverifier(post)
+        self.metrics, self.log = metrics, log
+
+    def of(
+        self,
+        engine: Engine,
+        root: Path,
+        candidates: Mapping[str, order.Candidate],
+        options: gate.GateOptions,
+        skip: str | None = None,
+    ) -> Loaded | None:
+        def reverify(target: Loaded, now: tuple[Identity, ...]) -> None:
+            self.reverifier.submit(target, now, engine.served.baseline, options)
+
+        target = choose(engine.served, root, candidates, skip=skip, log=engine.log, reverify=reverify)
+        self.metrics.rollback_ready.labels(engine=engine.url).set(1 if target else 0)
+        return target
+
+    def reverified(self, result: Reverified, engines: Iterable[Engine]) -> bool:
+        """A target's bytes were read again: the same ones take their new identities. Returns
+        whether what the engines hold changed (the state file is to be written)."""
+        self.reverifier.done(result)
+        fields = {"name": result.name, "fingerprint": result.fingerprint, "seconds": round(result.seconds, 3)}
+        if result.files is None:
+            self.log.warning("rollback.reverified", same_bytes=False, reason=result.reason, **fields)
+            return False
+        self.log.info("rollback.reverified", same_bytes=True, **fields)
+        for engine in engines:
+            engine.served.reidentified(result.name, result.fingerprint, result.files)
+        return True

@@ -26,7 +26,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint.files import is_top_level_shard
+from ..checkpoint import verified
+from ..checkpoint.files import RACY_NS, identity, is_top_level_shard
 from ..checkpoint.manifest import Manifest, ManifestFile, digest_mismatch, hashers
 from ..checkpoint.scan import StreamScan
 from ..durable import fsync_dir, write_synced
@@ -327,3 +328,23 @@ def _place(staging: Path, root: Path, name: str, last: tuple[str, bytes] | None)
     os.rename(staging, final)
     fsync_dir(root)
     return final, True
+
+
+def remember(verified_files: verified.Cache | None, fetched: Fetched) -> None:
+    """The digests just checked (and NaN scans done) while streaming, under the placed files'
+    identities, so the local gate does not read them again: taken a timestamp tick after the
+    last write, so a later write would show (racily clean)."""
+    if verified_files is None or fetched.path is None:
+        return
+    time.sleep(RACY_NS / 1e9)
+    started_ns = time.time_ns()
+    for path in fetched.blake3.keys() | fetched.scanned.keys():  # a foreign writer's have no digests
+        try:
+            found = identity(os.lstat(fetched.path / path))
+        except OSError:
+            continue
+        scanned = fetched.scanned
+        result = verified.Verified(
+            found, fetched.blake3.get(path, ""), scanned.get(path), path in scanned, started_ns
+        )
+        verified_files.put(result)

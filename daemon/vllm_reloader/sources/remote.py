@@ -30,14 +30,13 @@ from typing import Any
 from .. import log
 from ..checkpoint import completeness, order, verified
 from ..checkpoint.completeness import MAX_LISTING_BYTES, DirectoryListing, Incomplete, Listed
-from ..checkpoint.files import RACY_NS, SINGLE_NAME, identity, size_from_header
-from ..checkpoint.manifest import MANIFEST_NAME, Manifest, path_problem
-from ..checkpoint.manifest import parse as parse_manifest
+from ..checkpoint.files import SINGLE_NAME
+from ..checkpoint.manifest import Manifest
 from ..config import Config
-from ..errors import Cancelled, DownloadError, ManifestInvalid, NotJSONYet, SourceError
+from ..errors import Cancelled, DownloadError, SourceError
 from . import local, verdicts
-from .download import Fetched, Plan, fetch
-from .listing import BucketListing, judge
+from .download import Fetched, Plan, fetch, remember
+from .listing import BucketListing, HeaderSizes, by_head, judge
 from .objstore import Object, Store
 
 
@@ -116,7 +115,7 @@ class RemoteSource:
             manifest_grace=0.0,
         )
         self.convention = convention
-        self.header_sizes: dict[tuple[str, str | None], int] = {}
+        self.headers = HeaderSizes(self.store)
         self.bad_keys: dict[str, str] = {}
         """Checkpoints whose listing hit a key obstore cannot represent (logged once each)."""
         self.problems: dict[str, str] = {}
@@ -277,40 +276,10 @@ class RemoteSource:
         if self.bad_keys.get(name) != problem:
             self.bad_keys[name] = problem
             self.log.warning("source.bad_key", name=name, reason=problem)
-        head = self.store.head(f"{name}/{MANIFEST_NAME}") if self.convention.mode == "manifest" else None
-        if head is None:
-            return {}
-        objects = {MANIFEST_NAME: head}
-        if head.size > MAX_LISTING_BYTES:
-            return objects  # judged (and rejected) by its size, never read
-        try:
-            manifest = parse_manifest(self.store.get(f"{name}/{MANIFEST_NAME}")[0])
-        except (NotJSONYet, ManifestInvalid):
-            return objects  # judged (and rejected) like any bad manifest
-        if path_problem(manifest) is None:
-            for item in manifest.files:
-                if (found := self.store.head(f"{name}/{item.path}")) is not None:
-                    objects[item.path] = found
-        return objects
+        return by_head(self.store, name) if self.convention.mode == "manifest" else {}
 
     def _listing(self, name: str, objects: Mapping[str, Object], signal: str, data: bytes) -> BucketListing:
-        completing = {} if signal == SINGLE_NAME else {signal: data}
-
-        def header_size(shard: str, listed: Object) -> int | None:
-            """Two small ranged GETs per shard, once per ETag."""
-            key = (f"{name}/{shard}", listed.etag)
-            if key not in self.header_sizes:
-
-                def read(start: int, end: int) -> bytes:
-                    return bytes(self.store.get_range(key[0], start, end, listed.etag))
-
-                size = size_from_header(shard, read, listed.size)
-                if size is None:
-                    return None
-                self.header_sizes[key] = size
-            return self.header_sizes[key]
-
-        return BucketListing(objects, completing, header_size)
+        return self.headers.listing(name, objects, {} if signal == SINGLE_NAME else {signal: data})
 
     def _refresh(self, by_name: Mapping[str, Mapping[str, Object]]) -> None:
         """GET each completing object whose ETag changed (a single model.safetensors: never),
@@ -389,7 +358,7 @@ class RemoteSource:
         if seen.signal == SINGLE_NAME and fetched.path is not None:
             _backdate(fetched.path, max(o.modified for o in objects.values()))
         if fetched.path is not None:
-            self._remember(fetched.path, fetched.blake3, fetched.scanned)
+            remember(self.verified_files, fetched)
         self.log.info(
             "download.finished",
             name=name,
@@ -399,25 +368,6 @@ class RemoteSource:
             mb_per_s=round(fetched.fetched_bytes / fetched.seconds / 1e6, 1) if fetched.seconds else None,
         )
         self.post(Downloaded(fetched.path.name if fetched.path else name))
-
-    def _remember(
-        self, directory: Path, digests: Mapping[str, str], scanned: Mapping[str, str | None]
-    ) -> None:
-        """The digests just checked (and NaN scans done) while streaming, under the placed
-        files' identities: read a timestamp tick after the last write, so a later write would
-        show (racily clean)."""
-        if self.verified_files is None:
-            return
-        time.sleep(RACY_NS / 1e9)
-        started_ns = time.time_ns()
-        for path in digests.keys() | scanned.keys():  # a foreign writer's files have no digests
-            try:
-                found = identity(os.lstat(directory / path))
-            except OSError:
-                continue
-            digest = digests.get(path, "")
-            result = verified.Verified(found, digest, scanned.get(path), path in scanned, started_ns)
-            self.verified_files.put(result)
 
     def _clean_staging(self, keep: set[str]) -> None:
         """Partial downloads of contents no longer in the store, or already placed."""
