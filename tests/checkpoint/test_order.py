@@ -42,11 +42,11 @@ def test_policy_coalesces_to_newest_when_several_are_ready():
 
 def test_policy_skips_rejected_until_manifest_changes():
     candidates = cands(("step-2", 2), ("step-3", 3))
-    assert [c.name for c in to_try(candidates, serving=NOTHING, rejected={"step-3": "fp-step-3"})] == [
+    assert [c.name for c in to_try(candidates, serving=NOTHING, rejected={"step-3": {"fp-step-3"}})] == [
         "step-2"
     ]
     changed = {**candidates, "step-3": Candidate("step-3", 3, "new-fingerprint")}
-    assert to_try(changed, serving=NOTHING, rejected={"step-3": "fp-step-3"})[0].name == "step-3"
+    assert to_try(changed, serving=NOTHING, rejected={"step-3": {"fp-step-3"}})[0].name == "step-3"
 
 
 def test_policy_treats_everything_as_newer_than_an_outside_startup_model():
@@ -80,5 +80,29 @@ def test_policy_orders_and_rejects_a_placed_download_by_its_name():
     serving = Serving(order_key("step-5", 5), "step-5@" + "cd" * 8, "cd" * 32)
     rewrite = {placed: Candidate(placed, 5, "ab" * 32)}
     assert [c.name for c in to_try(rewrite, serving=serving, rejected={})] == [placed]
-    assert to_try(rewrite, serving=serving, rejected={"step-5": "ab" * 32}) == []
+    assert to_try(rewrite, serving=serving, rejected={"step-5": {"ab" * 32}}) == []
     assert split_placed("step-5@not-hex") == ("step-5@not-hex", "")
+
+
+def test_policy_never_takes_a_content_that_served_before_as_newer():
+    """`latest` v1 then v2 served: v1's copy (still in the cache) is older, not a rewrite, so
+    the two never load in turn."""
+    v1, v2 = placed_name("latest", "a1" * 32), placed_name("latest", "b2" * 32)
+    serving = Serving(order_key("latest", 5), v2, "b2" * 32, frozenset({"a1" * 32}))
+    both = {v1: Candidate(v1, 5, "a1" * 32), v2: Candidate(v2, 5, "b2" * 32)}
+    assert to_try(both, serving=serving, rejected={}) == []
+    v3 = placed_name("latest", "c3" * 32)
+    assert [
+        c.name for c in to_try({**both, v3: Candidate(v3, 5, "c3" * 32)}, serving=serving, rejected={})
+    ] == [v3]
+
+
+def test_policy_remembers_every_rejected_content_of_a_name():
+    a, b = placed_name("step-5", "aa" * 32), placed_name("step-5", "bb" * 32)
+    candidates = {a: Candidate(a, 5, "aa" * 32), b: Candidate(b, 5, "bb" * 32)}
+    assert (
+        to_try(
+            candidates, serving=Serving(order_key("step-4", 4)), rejected={"step-5": {"aa" * 32, "bb" * 32}}
+        )
+        == []
+    )

@@ -168,3 +168,25 @@ def test_rollback_target_whose_bytes_changed_at_the_same_size_is_not_used(
     assert again["same_bytes"] is False and "mismatch" in again["reason"]
     rolled = running.wait_for("reload.rolled_back", version="step-2")
     assert rolled["to_version"] == "default" and engine.loaded == str(startup), "the startup model instead"
+
+
+def test_two_contents_of_one_name_that_failed_their_canary_are_each_loaded_once(
+    start, root, tmp_path, make_checkpoint
+):
+    """Every rejected content of a name is remembered, not just the last: the first bad copy
+    does not come back once the second is rejected."""
+    make_checkpoint("step-4", step=4, root=root, seed=4)
+    engine = FakeEngine(startup=str(root / "step-4"))
+    running = start(engine)
+    running.wait_for("engine.reconciled")
+    first, second = root / ("step-5@" + "a" * 16), root / ("step-5@" + "b" * 16)
+    engine.garbage |= {str(first), str(second)}
+    make_checkpoint(first.name, step=5, root=tmp_path / "w", seed=1).rename(first)
+    running.wait_for("reload.rolled_back")
+    make_checkpoint(second.name, step=5, root=tmp_path / "w", seed=2).rename(second)
+    deadline = time.monotonic() + 10
+    while len(running.events("reload.rolled_back")) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(1.0)
+    assert reloads(engine).count(str(first)) == 1 and reloads(engine).count(str(second)) == 1

@@ -363,6 +363,35 @@ def test_daemon_rewrite_of_the_serving_name_is_a_new_version_and_rolls_back_to_t
     assert not engine.paused
 
 
+def test_daemon_rewrite_that_passes_is_loaded_once_and_the_first_copy_never_again(
+    tmp_path, bucket: Bucket, make_checkpoint: MakeCheckpoint
+):
+    """v2 replaces v1 under `latest` and passes: v1's copy, still in the cache, served before
+    v2 and is never taken for newer (the two would load in turn for ever)."""
+    startup = make_checkpoint("startup", root=tmp_path / "models")
+    engine = FakeEngine(startup=str(startup))
+    first = make_checkpoint("latest", step=5, root=tmp_path / "v1", seed=1)
+    second = make_checkpoint("latest", step=5, root=tmp_path / "v2", seed=2)
+    with structlog.testing.capture_logs() as logs:
+        daemon, thread = remote_daemon(tmp_path, bucket, engine)
+        try:
+            wait_for(logs, "engine.reconciled")
+            bucket.upload_dir(first, "latest")
+            wait_for(logs, "reload.succeeded", version="latest")
+            bucket.upload_dir(second, "latest")
+            v2 = str(daemon.config.checkpoint_root / order.placed_name("latest", fingerprint_of(second)))
+            deadline = time.monotonic() + 15
+            while engine.loaded != v2:
+                assert time.monotonic() < deadline, engine.calls
+                time.sleep(0.05)
+            time.sleep(1.5)  # some polls and ticks: nothing more may load
+        finally:
+            daemon.request_stop()
+            thread.join(timeout=15)
+    reloads = [c for c in engine.calls if c.startswith("reload:")]
+    assert len(reloads) == 2 and engine.loaded == v2, reloads
+
+
 def test_daemon_subprocess_with_wrong_credentials_logs_once_and_keeps_running(
     tmp_path, bucket: Bucket, s3_auth_enforced
 ):

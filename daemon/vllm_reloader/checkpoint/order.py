@@ -15,7 +15,7 @@ never share a directory; such a directory orders (and is rejected) by `NAME`.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 OrderKey = tuple[int, int, tuple[tuple[int, int | str], ...]]
@@ -79,12 +79,16 @@ class Serving:
     name: str = ""
     fingerprint: str = ""
     """"" when unknown (a startup model): then only the order counts."""
+    served_before: frozenset[str] = frozenset()
+    """Contents of the same name that served before this one (older: never newer again)."""
 
     def replaced_by(self, candidate: Candidate) -> bool:
-        """Whether `candidate` is newer: later in the order, or the serving name's new content."""
+        """Whether `candidate` is newer: later in the order, or the serving name's new content
+        (published after it: not one that served before it)."""
         if self.key is None or candidate.key > self.key:
             return True
-        rewritten = candidate.fingerprint not in ("", self.fingerprint)
+        old = ("", self.fingerprint, *self.served_before)
+        rewritten = candidate.fingerprint not in old
         return bool(self.fingerprint) and candidate.base == base_name(self.name) and rewritten
 
 
@@ -95,14 +99,16 @@ def to_try(
     candidates: Mapping[str, Candidate],
     *,
     serving: Serving,
-    rejected: Mapping[str, str],
+    rejected: Mapping[str, Collection[str]],
 ) -> list[Candidate]:
     """Candidates worth gating now, newest first.
 
-    `rejected` maps a version's name → the fingerprint it was rejected with; such a candidate
-    comes back only once its content changed.
+    `rejected` maps a version's name → the fingerprints of its contents that were rejected;
+    such a candidate comes back only with other content.
     """
     eligible = [
-        c for c in candidates.values() if serving.replaced_by(c) and rejected.get(c.base) != c.fingerprint
+        c
+        for c in candidates.values()
+        if serving.replaced_by(c) and c.fingerprint not in rejected.get(c.base, ())
     ]
     return sorted(eligible, key=lambda c: c.key, reverse=True)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 import stat
 import time
-from collections.abc import Iterable, Sequence, Set
+from collections.abc import Iterable, Mapping, Sequence, Set
 from pathlib import Path
+from types import MappingProxyType
 
 from .. import log
 from ..checkpoint import completeness, order
@@ -37,6 +38,8 @@ class Catalog:
         self.pending: dict[str, str] = {}
         """name → why it waits, for candidates worth trying (logged once per reason)."""
         self.rejected = dict(rejected)
+        self.rejected_view = _fingerprints(self.rejected)
+        """Replaced whole on each rejection: the object-store thread reads it as it is."""
         self.pinned = pinned
         self.dirty: set[str] = set()
         """Names something happened to since the last look (watcher events, downloads)."""
@@ -99,10 +102,11 @@ class Catalog:
         self.note_pending(name, reason, **details)
         self.recheck_at[name] = until
 
-    def rejected_fingerprints(self) -> dict[str, str]:
-        """A version's name → the fingerprint it was rejected with: retried only once that changes
-        (a download placed as `NAME@…` is rejected as NAME, as the object store's listing sees it)."""
-        return {name: r.fingerprint for name, r in self.rejected.items()}
+    def rejected_fingerprints(self) -> Mapping[str, frozenset[str]]:
+        """A version's name → the fingerprints of its rejected contents: each is retried only with
+        other content (a download placed as `NAME@…` is rejected as NAME, as the object store's
+        listing sees it). A snapshot: safe to read from another thread."""
+        return self.rejected_view
 
     def worth_trying(self, serving: Loaded | None, serving_key: order.Serving) -> list[order.Candidate]:
         """The candidates to gate now, newest first: only the pinned one while pinned (an
@@ -111,7 +115,7 @@ class Catalog:
         if self.pinned is not None:
             pinned = self.candidates.get(self.pinned)
             done = serving is not None and serving.name == self.pinned
-            skip = done or pinned is None or rejected.get(pinned.base) == pinned.fingerprint
+            skip = done or pinned is None or pinned.fingerprint in rejected.get(pinned.base, ())
             worth = [] if skip or pinned is None else [pinned]
         else:
             worth = order.to_try(self.candidates, serving=serving_key, rejected=rejected)
@@ -162,9 +166,17 @@ class Catalog:
             reason=reason,
             **details,
         )
-        self.rejected[order.base_name(name)] = Rejection(
-            version=version, reason=reason, fingerprint=fingerprint, at=time.time()
+        base = order.base_name(name)
+        key = order.placed_name(base, fingerprint) if fingerprint else base
+        self.rejected[key] = Rejection(
+            version=version, reason=reason, fingerprint=fingerprint, at=time.time(), name=base
         )
+        same = sorted(
+            (k for k, r in self.rejected.items() if (r.name or k) == base), key=lambda k: self.rejected[k].at
+        )
+        for old in same[:-REJECTED_PER_NAME]:
+            del self.rejected[old]
+        self.rejected_view = _fingerprints(self.rejected)
 
     def pin(self, name_or_version: str | None) -> str | None:
         """An operator's pin (None: unpin), by directory name or version; returns an error."""
@@ -185,6 +197,17 @@ class Catalog:
         if name_or_version in self.candidates:
             return name_or_version
         return next((n for n in self.candidates if version_of(self.root / n) == name_or_version), None)
+
+
+REJECTED_PER_NAME = 8
+"""Rejected contents remembered per name (a trainer rewriting one name keeps it bounded)."""
+
+
+def _fingerprints(rejected: Mapping[str, Rejection]) -> Mapping[str, frozenset[str]]:
+    found: dict[str, set[str]] = {}
+    for key, r in rejected.items():
+        found.setdefault(r.name or key, set()).add(r.fingerprint)
+    return MappingProxyType({name: frozenset(fps) for name, fps in found.items()})
 
 
 def _real_directory(directory: Path) -> bool:

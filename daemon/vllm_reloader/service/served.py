@@ -17,11 +17,14 @@ from ..checkpoint.files import Identity
 from .state import Loaded
 
 
-def serving_of(loaded: Loaded | None) -> order.Serving:
+def serving_of(loaded: Loaded | None, history: tuple[Loaded, ...] = ()) -> order.Serving:
+    """`history`: what served before (its contents of the same name are not newer)."""
     if loaded is None or not loaded.in_root:
         return order.NOTHING
-    key = order.order_key(order.base_name(loaded.name), loaded.step)
-    return order.Serving(key, loaded.name, loaded.fingerprint)
+    base = order.base_name(loaded.name)
+    key = order.order_key(base, loaded.step)
+    before = frozenset(g.fingerprint for g in history if order.base_name(g.name) == base and g.fingerprint)
+    return order.Serving(key, loaded.name, loaded.fingerprint, before)
 
 
 HISTORY = 4
@@ -58,7 +61,7 @@ class Served:
     def serving_key(self) -> order.Serving:
         """What a candidate must replace: the serving checkpoint's place in the order and content
         (nothing, when it is outside the root: all are newer)."""
-        return serving_of(self.serving)
+        return serving_of(self.serving, self.good)
 
     def went_down(self, now: float, retry_max: float) -> float:
         """It did not answer: reconcile again after a backoff; returns the wait."""

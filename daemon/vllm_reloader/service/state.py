@@ -47,6 +47,8 @@ class Rejection(BaseModel):
     reason: str
     fingerprint: str
     at: float
+    name: str = ""
+    """The version's name (its key, in state files from before versions were content)."""
 
 
 class State(BaseModel):

@@ -22,7 +22,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,7 +88,7 @@ class RemoteSource:
         config: Config,
         *,
         serving: Callable[[], order.Serving],
-        rejected: Callable[[], Mapping[str, str]],
+        rejected: Callable[[], Mapping[str, Collection[str]]],
         post: Callable[[SourceEvent], None],
         store: Store | None = None,
         verified_files: verified.Cache | None = None,
@@ -106,7 +106,7 @@ class RemoteSource:
         self.stop = threading.Event()
         self.seen: dict[str, Seen] = {}
         self.pending: dict[str, str] = {}
-        self.rejected_here: dict[str, str] = {}
+        self.rejected_here: dict[str, set[str]] = {}
         # A listed object is whole: no grace for a manifest or index that is not JSON.
         convention = completeness.Convention(
             mode=config.source.completeness,
@@ -216,7 +216,8 @@ class RemoteSource:
             if not any(seen.fingerprint.startswith(fp) for fp in placed.get(name, ()) if fp)
         }
         self._clean_staging({order.placed_name(name, self.seen[name].fingerprint) for name in candidates})
-        rejected = {**self.rejected(), **self.rejected_here}
+        theirs, here = self.rejected(), self.rejected_here
+        rejected = {name: {*theirs.get(name, ()), *here.get(name, ())} for name in {*theirs, *here}}
         waiting: dict[str, str] = {}
         for candidate in order.to_try(candidates, serving=self.serving(), rejected=rejected):
             name = candidate.name
@@ -310,7 +311,7 @@ class RemoteSource:
 
     def _reject(self, name: str, manifest: Manifest | None, verdict: Incomplete) -> None:
         fp = verdict.fingerprint or self.seen[name].fingerprint
-        self.rejected_here[name] = fp
+        self.rejected_here.setdefault(name, set()).add(fp)
         version = (manifest.version if manifest else None) or name
         self.post(Rejected(name, version, verdict.reason, fp, verdict.check))
 
