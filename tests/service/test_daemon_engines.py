@@ -180,3 +180,34 @@ def test_engines_sighup_adds_and_drops_engines_as_urls_says(tmp_path, root, make
         daemon.stop()
         for server in servers:
             server.close()
+
+
+def test_follower_restarted_on_another_content_of_the_version_is_brought_to_the_canarys(
+    start, root, tmp_path, make_checkpoint
+):
+    """The daemon stopped mid-rollout of a rewrite: both engines report `latest`, the canary
+    engine holds B (its own record, the state file), the follower still A. A version that names
+    two contents says nothing of which one a follower holds: it is brought to B."""
+    from tests.support.checkpoints import write_manifest
+    from vllm_reloader.checkpoint import gate
+    from vllm_reloader.service import state
+
+    contents = []
+    for fp, seed in (("a" * 16, 1), ("b" * 16, 2)):
+        staged = make_checkpoint(f"latest@{fp}", step=5, root=tmp_path / "w", seed=seed)
+        write_manifest(staged, step=5, overrides={"version": "latest"})
+        contents.append(staged.rename(root / staged.name))
+    a, b = contents
+    verdict = gate.check(b, serving=None)
+    served = state.Loaded(
+        name=b.name, version="latest", path=str(b), since=1.0, step=5,
+        files=dict(verdict.files), fingerprint=verdict.fingerprint,
+    )  # fmt: skip
+    state.save(tmp_path / "state", state.State(serving=served, good=(served,)))
+    canary, follower = FakeEngine(startup=str(a)), FakeEngine(startup=str(a))
+    canary.version, canary.loaded = "latest", str(b)
+    follower.version, follower.loaded = "latest", str(a)
+    running = start(canary, followers=[follower])
+    running.wait_for("reload.succeeded", engine=follower_url(0))
+    assert follower.loaded == str(b) and canary.loaded == str(b)
+    assert not [c for c in canary.calls if c.startswith("reload:")], "the canary engine's record holds"

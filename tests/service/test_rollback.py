@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 
 from tests.support.fake_engine import FakeEngine
@@ -190,3 +191,63 @@ def test_two_contents_of_one_name_that_failed_their_canary_are_each_loaded_once(
         time.sleep(0.05)
     time.sleep(1.0)
     assert reloads(engine).count(str(first)) == 1 and reloads(engine).count(str(second)) == 1
+
+
+def test_new_version_waits_at_most_the_hold_for_a_target_touched_faster_than_it_is_read(
+    start, root, tmp_path, make_checkpoint, monkeypatch
+):
+    """A cron `chmod -R` or a backup's hard links every 0.2 s, on a target that takes 0.5 s to
+    read: no re-read ever finishes unchanged, and the new version loads once the hold is over."""
+    from vllm_reloader.checkpoint import gate
+    from vllm_reloader.service import rollback as rollback_module
+
+    monkeypatch.setattr(rollback_module, "REVERIFY_HOLD", 1.0)
+    real = gate._read_bytes
+
+    def slow(*args, **kwargs):  # a large target takes minutes to read; here half a second
+        time.sleep(0.5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gate, "_read_bytes", slow)
+    make_checkpoint("step-1", step=1, root=root, seed=1)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    running = start(engine)
+    running.wait_for("engine.reconciled")
+    make_checkpoint("step-2", step=2, root=tmp_path / "w", seed=2).rename(root / "step-2")
+    running.wait_for("reload.succeeded", version="step-2")
+    stop = threading.Event()
+
+    def toucher() -> None:
+        while not stop.is_set():
+            for path in (root / "step-2").iterdir():
+                os.chmod(path, 0o644 if path.stat().st_mode & 0o040 == 0 else 0o600)
+            time.sleep(0.2)
+
+    touching = threading.Thread(target=toucher, daemon=True)
+    touching.start()
+    try:
+        time.sleep(0.3)
+        make_checkpoint("step-3", step=3, root=tmp_path / "w", seed=3).rename(root / "step-3")
+        running.wait_for("reload.succeeded", version="step-3", timeout=15)
+    finally:
+        stop.set()
+        touching.join()
+
+
+def test_pin_of_a_version_that_names_two_contents_is_refused(start, root, tmp_path, make_checkpoint):
+    from tests.support.checkpoints import write_manifest
+
+    make_checkpoint("step-1", step=1, root=root, seed=1)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    running = start(engine)
+    running.wait_for("engine.reconciled")
+    for fp, seed in (("a" * 16, 1), ("b" * 16, 2)):
+        staged = make_checkpoint(f"latest@{fp}", root=tmp_path / "w", seed=seed)
+        write_manifest(staged, overrides={"version": "latest"})
+        staged.rename(root / staged.name)
+    reply = Reply()
+    running.daemon.inbox.put(ControlRequest({"command": "pin", "version": "latest"}, reply))
+    answer = reply.wait(5)
+    assert answer is not None and answer["ok"] is False
+    assert "latest@aaaaaaaaaaaaaaaa" in answer["error"] and "latest@bbbbbbbbbbbbbbbb" in answer["error"]
+    assert running.daemon.reloader.catalog.pinned is None

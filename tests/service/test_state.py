@@ -113,3 +113,29 @@ def test_state_file_of_the_previous_release_keeps_pin_rejections_and_history(
     rolled = running.wait_for("reload.rolled_back", version="step-4")
     assert rolled["to_version"] == "step-2"
     assert str(root / "step-3") not in engine.calls and not any("step-3" in c for c in engine.calls)
+
+
+def test_state_of_the_previous_release_whose_serving_copy_was_replaced_loads_what_is_there(
+    start, root, tmp_path, make_checkpoint
+):
+    """The previous release renamed a rewrite of `latest` over the copy the engine served: the
+    engine holds X, the directory holds Y. Y is new content, and loads."""
+    import shutil
+
+    from tests.support.fake_engine import FakeEngine
+    from vllm_reloader.checkpoint import gate
+
+    x = make_checkpoint("latest", step=5, root=root, seed=1)
+    files = gate.check(x, serving=None).files
+    old = {"name": "latest", "version": "latest", "path": str(x), "since": 1.0, "step": 5,
+           "files": {k: list(v) for k, v in files.items()}}  # fmt: skip
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / state.STATE_NAME).write_text(json.dumps({"serving": old, "good": [old]}))
+    shutil.rmtree(x)
+    make_checkpoint("latest", step=5, root=root, seed=2)  # Y, in its place
+    startup = make_checkpoint("startup", root=tmp_path / "models")
+    engine = FakeEngine(startup=str(startup))
+    engine.version, engine.loaded = "latest", str(x)
+    running = start(engine)
+    running.wait_for("reload.succeeded", version="latest")
+    assert engine.loaded == str(root / "latest")

@@ -674,3 +674,16 @@ def test_remote_name_the_catalog_would_skip_is_never_downloaded(tmp_path, bucket
     assert [r["name"] for r in harness.rejected()] == [hidden]
     assert harness.fetched() == ["a-1"]
     assert [order.base_name(p.name) for p in harness.root.iterdir()] == ["a-1"]
+
+
+def test_remote_name_that_looks_like_a_placed_download_is_rejected_once(
+    tmp_path, bucket: Bucket, make_checkpoint
+):
+    harness = Harness(tmp_path, bucket.url)
+    bucket.upload_dir(make_checkpoint("a-1", root=tmp_path / "src", seed=1), "a-1")
+    lookalike = "b-2@" + "a" * 16
+    bucket.upload_dir(make_checkpoint("look", root=tmp_path / "src", seed=2), lookalike)
+    for _ in range(4):
+        harness.source.poll()
+    assert [r["name"] for r in harness.rejected()] == [lookalike], "once, not at every poll"
+    assert harness.fetched() == ["a-1"]

@@ -14,6 +14,7 @@ never share a directory; such a directory orders (and is rejected) by `NAME`.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -60,6 +61,8 @@ class Candidate:
     step: int | None
     fingerprint: str
     """What its content is (`completeness.fingerprint`), "" while nothing readable says."""
+    published: float = math.inf
+    """When this copy of its name was placed (a directory's mtime); inf: the store's current one."""
 
     @property
     def base(self) -> str:
@@ -81,15 +84,19 @@ class Serving:
     """"" when unknown (a startup model): then only the order counts."""
     served_before: frozenset[str] = frozenset()
     """Contents of the same name that served before this one (older: never newer again)."""
+    published: float = 0.0
+    """When the serving copy was placed (0: unknown)."""
 
     def replaced_by(self, candidate: Candidate) -> bool:
-        """Whether `candidate` is newer: later in the order, or the serving name's new content
-        (published after it: not one that served before it)."""
+        """Whether `candidate` is newer: later in the order, or the serving name's content
+        published after it — its own directory rewritten, or another copy placed later (never
+        one that served before)."""
         if self.key is None or candidate.key > self.key:
             return True
         old = ("", self.fingerprint, *self.served_before)
-        rewritten = candidate.fingerprint not in old
-        return bool(self.fingerprint) and candidate.base == base_name(self.name) and rewritten
+        if not self.fingerprint or candidate.base != base_name(self.name) or candidate.fingerprint in old:
+            return False
+        return candidate.name == self.name or candidate.published > self.published
 
 
 NOTHING = Serving(None)

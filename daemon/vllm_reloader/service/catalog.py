@@ -10,6 +10,7 @@ import os
 import stat
 import time
 from collections.abc import Iterable, Mapping, Sequence, Set
+from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 
@@ -91,7 +92,7 @@ class Catalog:
         self, serving: Loaded | None, serving_key: order.Serving, now: float
     ) -> order.Candidate | None:
         """The newest candidate worth gating that is not waiting for its recheck."""
-        worth = self.worth_trying(serving, serving_key)
+        worth = self.worth_trying(serving, self._dated(serving_key))
         return next((c for c in worth if self.recheck_at.get(c.name, 0.0) <= now), None)
 
     def next_recheck(self) -> float | None:
@@ -123,11 +124,18 @@ class Catalog:
         self.pending = {n: reason for n, reason in self.pending.items() if n in names}
         return worth
 
+    def _dated(self, serving: order.Serving) -> order.Serving:
+        """`serving` with the time its copy was placed, when it is in the root."""
+        found = self.candidates.get(serving.name)
+        return replace(serving, published=found.published) if found is not None else serving
+
     def newer_than(self, serving_key: order.Serving) -> set[str]:
         """Candidates that would load next (retention must not delete them)."""
         return {
             c.name
-            for c in order.to_try(self.candidates, serving=serving_key, rejected=self.rejected_fingerprints())
+            for c in order.to_try(
+                self.candidates, serving=self._dated(serving_key), rejected=self.rejected_fingerprints()
+            )
         }
 
     def prune_downloads(self, engines: Sequence[Served], in_flight: Set[str], keep: int) -> None:
@@ -167,15 +175,12 @@ class Catalog:
             **details,
         )
         base = order.base_name(name)
-        key = order.placed_name(base, fingerprint) if fingerprint else base
-        self.rejected[key] = Rejection(
-            version=version, reason=reason, fingerprint=fingerprint, at=time.time(), name=base
+        before = self.rejected.get(base)
+        earlier = () if before is None else (before.fingerprint, *before.earlier)
+        earlier = tuple(fp for fp in dict.fromkeys(earlier) if fp != fingerprint)[: REJECTED_PER_NAME - 1]
+        self.rejected[base] = Rejection(
+            version=version, reason=reason, fingerprint=fingerprint, at=time.time(), earlier=earlier
         )
-        same = sorted(
-            (k for k, r in self.rejected.items() if (r.name or k) == base), key=lambda k: self.rejected[k].at
-        )
-        for old in same[:-REJECTED_PER_NAME]:
-            del self.rejected[old]
         self.rejected_view = _fingerprints(self.rejected)
 
     def pin(self, name_or_version: str | None) -> str | None:
@@ -184,19 +189,23 @@ class Catalog:
             self.log.info("control.unpinned", name=self.pinned)
             self.pinned = None
             return None
-        match = self.find(name_or_version)
-        if match is None:
+        matches = self.find(name_or_version)
+        if not matches:
             return f"no checkpoint named {name_or_version!r} in {self.root}"
+        if len(matches) > 1:
+            return f"version {name_or_version!r} names {', '.join(matches)}: pin one of them by that name"
+        match = matches[0]
         self.log.info("control.pinned", name=match)
         self.pinned = match
         return None
 
-    def find(self, name_or_version: str) -> str | None:
-        """A candidate by directory name or manifest version (for `pin`), after a rescan."""
+    def find(self, name_or_version: str) -> list[str]:
+        """Candidates by directory name, else by manifest version (for `pin`), after a rescan:
+        several when a version names several contents."""
         self.rescan()
         if name_or_version in self.candidates:
-            return name_or_version
-        return next((n for n in self.candidates if version_of(self.root / n) == name_or_version), None)
+            return [name_or_version]
+        return sorted(n for n in self.candidates if version_of(self.root / n) == name_or_version)
 
 
 REJECTED_PER_NAME = 8
@@ -204,10 +213,7 @@ REJECTED_PER_NAME = 8
 
 
 def _fingerprints(rejected: Mapping[str, Rejection]) -> Mapping[str, frozenset[str]]:
-    found: dict[str, set[str]] = {}
-    for key, r in rejected.items():
-        found.setdefault(r.name or key, set()).add(r.fingerprint)
-    return MappingProxyType({name: frozenset(fps) for name, fps in found.items()})
+    return MappingProxyType({name: frozenset((r.fingerprint, *r.earlier)) for name, r in rejected.items()})
 
 
 def _real_directory(directory: Path) -> bool:
@@ -218,9 +224,12 @@ def _real_directory(directory: Path) -> bool:
 
 
 def _peek(name: str, directory: Path, convention: Convention) -> order.Candidate:
-    """How it orders; nothing a writer puts in a manifest stops the loop here."""
+    """How it orders; nothing a writer puts in a manifest stops the loop here. A download's copy
+    (`NAME@…`) is published when it was placed: its directory's mtime (the completing file is
+    written into it last)."""
     try:
-        return completeness.candidate(name, DirectoryListing(directory), convention)
+        found = completeness.candidate(name, DirectoryListing(directory), convention)
+        return replace(found, published=os.lstat(directory).st_mtime)
     except Exception:  # the gate will say what is wrong with it, as a verdict
         return order.Candidate(name, None, "")
 

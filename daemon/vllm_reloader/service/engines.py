@@ -176,7 +176,7 @@ class Engine:
         self.client.close()
 
     def learn(
-        self, config: EngineConfig, root: Path, candidates: Mapping[str, order.Candidate]
+        self, config: EngineConfig, root: Path, candidates: Mapping[str, order.Candidate], *, trusted: bool
     ) -> tuple[str, Loaded]:
         """Ask the engine what it is and serves (reconcile): its capabilities, startup model,
         layout baseline; returns the weight version it reports and what that means."""
@@ -189,7 +189,7 @@ class Engine:
             self.log.warning("engine.builtin_loader", reason=BUILTIN_LOADER_RISK, fix=BUILTIN_LOADER_FIX)
         served.startup = setup.startup_path(server)
         serving = reconcile.serving(
-            version, served.startup, known=served.serving, root=root, candidates=candidates
+            version, served.startup, known=served.serving, root=root, candidates=candidates, trusted=trusted
         )
         served.baseline = setup.settle_baseline(config, server, served, serving.path, self.log)
         served.reconciled = True
@@ -352,3 +352,8 @@ class Engines:
                     f"engine {engine.url} serves a model whose layout differs from engine {other.url}'s "
                     f"({difference[0]}): the engines of one daemon must serve the same model"
                 )
+
+    def check_now(self) -> None:
+        """Ask every engine now, and retry a failed follower now, instead of at the next timer."""
+        for engine in self.all:
+            engine.served.next_check = engine.served.retry_at = engine.retry_at_follow = 0.0

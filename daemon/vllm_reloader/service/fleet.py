@@ -43,8 +43,8 @@ def rejected(
 ) -> Verdict | None:
     """A rejection by this host's gate, or by the object store's listing or download digests: a
     failure for the fleet (no canary needed). Not one taken from the fleet's own records."""
-    if not fingerprint or details.get("check") == FLEET_CHECK:
-        return None
+    if not fingerprint or details.get("check") in (FLEET_CHECK, "local"):
+        return None  # the fleet's own verdict, or this host's filesystem: nothing to tell others
     base = order.base_name(name)
     return Verdict(base, version or base, fingerprint, False, reason)
 

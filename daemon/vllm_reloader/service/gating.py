@@ -49,11 +49,13 @@ class GateFinished:
 
 @dataclass(frozen=True)
 class Ready:
-    """A verdict of `ready` waiting for room: `max_unavailable` engines were busy when it came."""
+    """A verdict of `ready` waiting for room (`max_unavailable` engines were busy when it came),
+    or for a rollback target's bytes to be read again (until `hold_until`)."""
 
     candidate: order.Candidate
     loading: Loaded
     size: int
+    hold_until: float | None = None
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,19 @@ def version_of(directory: Path) -> str:
         return order.base_name(directory.name)
 
 
+UNKNOWN_CONTENT = "unknown"
+"""The fingerprint of weights whose content cannot be told (any content of their name is newer)."""
+
+
+def _other_content(
+    version: str, known: Loaded, root: Path, candidates: Mapping[str, order.Candidate]
+) -> bool:
+    return any(
+        c.fingerprint != known.fingerprint and version_of(root / name) == version
+        for name, c in candidates.items()
+    )
+
+
 def serving(
     engine_version: str,
     startup: str,
@@ -37,11 +50,14 @@ def serving(
     known: Loaded | None,
     root: Path,
     candidates: Mapping[str, order.Candidate],
+    trusted: bool = True,
 ) -> Loaded:
     """The checkpoint the engine holds now.
 
     `default` means never reloaded (e.g. the engine restarted): its startup model.
     `reloading:…` means a reload was cut short: the weights may be a mix of two checkpoints.
+    `known` is what the state says this engine serves; not `trusted` (a follower starts from the
+    host's record, not its own), a version that names several contents is of unknown content.
     """
     now = time.time()
     if engine_version.startswith(RELOADING_PREFIX):
@@ -61,7 +77,10 @@ def serving(
             fingerprint=candidate.fingerprint if candidate else "",
         )
     if known is not None and known.version == engine_version:
-        return known
+        if trusted or not _other_content(engine_version, known, root, candidates):
+            return known
+        # Another engine's record, and the version names several contents: which is unknown.
+        return known.model_copy(update={"fingerprint": UNKNOWN_CONTENT, "since": now})
     for name, candidate in candidates.items():
         if version_of(root / name) == engine_version:
             return Loaded(
@@ -80,17 +99,21 @@ def with_fingerprints(saved: State, convention: Convention) -> State:
     checkpoint whose files still have the identities it was verified with takes its directory's
     fingerprint now (one that changed since stays without, and is no rollback target)."""
 
-    def filled(loaded: Loaded) -> Loaded:
+    def filled(loaded: Loaded, changed_is: str) -> Loaded:
         if loaded.fingerprint or loaded.files is None:
             return loaded
         directory = Path(loaded.path)
         try:
-            if changed(directory, loaded.files) is not None:
-                return loaded
-            fingerprint = completeness.fingerprint(DirectoryListing(directory), convention)
+            fingerprint = (
+                changed_is
+                if changed(directory, loaded.files) is not None
+                else completeness.fingerprint(DirectoryListing(directory), convention)
+            )
         except OSError:
-            return loaded
-        return loaded.model_copy(update={"fingerprint": fingerprint})
+            fingerprint = changed_is
+        return loaded.model_copy(update={"fingerprint": fingerprint}) if fingerprint else loaded
 
-    serving = filled(saved.serving) if saved.serving is not None else None
-    return saved.model_copy(update={"serving": serving, "good": tuple(filled(g) for g in saved.good)})
+    # What serves and no longer matches its directory (the previous release placed a rewrite
+    # over it): of unknown content, so the content there now is newer.
+    serving = filled(saved.serving, UNKNOWN_CONTENT) if saved.serving is not None else None
+    return saved.model_copy(update={"serving": serving, "good": tuple(filled(g, "") for g in saved.good)})

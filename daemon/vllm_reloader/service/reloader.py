@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 
 from .. import failpoints, log
@@ -128,6 +129,8 @@ class Reloader:
         deadlines = [self.next_rescan, *(at for engine in self.engines for at in engine.deadlines())]
         if self.gating is None and (recheck := self.catalog.next_recheck()) is not None:
             deadlines.append(recheck)
+        if self.ready is not None and self.ready.hold_until is not None:
+            deadlines.append(self.ready.hold_until)
         return min(deadlines)
 
     def tick(self) -> None:
@@ -226,8 +229,7 @@ class Reloader:
     def check_now(self) -> None:
         """`reload`: rescan the root and ask the engines now, instead of at the next timer."""
         self.next_rescan = 0.0
-        for engine in self.engines:
-            engine.served.next_check = engine.served.retry_at = engine.retry_at_follow = 0.0
+        self.engines.check_now()
         self.catalog.recheck_at.clear()
 
     # -- the engines: what they hold, and loading ------------------------------------------
@@ -235,7 +237,8 @@ class Reloader:
     def _reconcile(self, engine: Engine) -> None:
         """Learn what the engine serves, so nothing is reloaded needlessly after a restart."""
         self.catalog.rescan()
-        version, serving = engine.learn(self.config.engine, self.root, self.catalog.candidates)
+        own = engine is self.canary  # the state file is the canary engine's own record
+        version, serving = engine.learn(self.config.engine, self.root, self.catalog.candidates, trusted=own)
         self.engines.same_layout(engine)
         if version.startswith(RELOADING_PREFIX) and self._restore_after_interrupted_reload(
             engine, version, serving
@@ -277,9 +280,12 @@ class Reloader:
         if served.baseline is None or not served.reconciled or canary.in_flight is not None:
             return
         if self.ready is not None and self._room() > 0:
-            self._rollback_target(canary, skip=self.ready.candidate.name)  # moved targets: read again
-            if self.targets.reverifier.under_way:
-                return  # load once the rollback target's bytes are known
+            if self.ready.hold_until is None:  # a better target whose files moved: wait for its read
+                self._rollback_target(canary, skip=self.ready.candidate.name)
+                held = rollback.REVERIFY_HOLD if self.targets.holding(canary) else 0.0
+                self.ready = replace(self.ready, hold_until=time.monotonic() + held)
+            if self.targets.holding(canary) and time.monotonic() < (self.ready.hold_until or 0.0):
+                return
             ready, self.ready = self.ready, None
             self._load(canary, ready.candidate, ready.loading, ready.size)
             return
@@ -308,7 +314,8 @@ class Reloader:
         by_url = {e.url: e for e in self.engines}
         for url in rollout.next_to_load(followers, want, self.catalog.pinned, room, now):
             engine = by_url[url]
-            engine.log.info("engine.behind", version=want.version, serving=_version(engine.served.serving))
+            serving = engine.served.serving
+            engine.log.info("engine.behind", version=want.version, serving=serving and serving.version)
             self._load(engine, order.Candidate(want.name, want.step, ""), want, 0)
 
     def gated(self, finished: GateFinished, *, act: bool = True) -> None:
@@ -390,7 +397,3 @@ class Reloader:
                 pinned=catalog.pinned,
             )
         )
-
-
-def _version(loaded: Loaded | None) -> str | None:
-    return loaded.version if loaded else None

@@ -25,6 +25,9 @@ from ..checkpoint import gate, layout
 from ..checkpoint.files import Identity, identity
 from .state import Loaded
 
+RETRY_CHANGED = 30.0
+"""A target whose files changed while they were read is read again no sooner than this."""
+
 
 @dataclass(frozen=True)
 class Reverified:
@@ -36,6 +39,8 @@ class Reverified:
     reason: str
     """Why it no longer counts (when `files` is None)."""
     seconds: float
+    final: bool = True
+    """False: the files changed while they were read; read again later, not disqualified."""
 
 
 def moved(target: Loaded) -> tuple[Identity, ...] | None:
@@ -82,10 +87,13 @@ class Reverifier:
         self._post = post
         self._jobs: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="reverify", daemon=True)
+        self._stop = threading.Event()
         self.under_way: dict[tuple[str, str], tuple[str, str, tuple[Identity, ...]]] = {}
         """(name, fingerprint) → what is being read (the loop's; loads wait for these)."""
         self._failed: set[tuple[str, str, tuple[Identity, ...]]] = set()
         """Read and found changed, with these identities: not read again until they move."""
+        self._retry_at: dict[tuple[str, str], float] = {}
+        """Changed while being read: not read again before then (a file touched over and over)."""
 
     def start(self) -> None:
         self._thread.start()
@@ -94,6 +102,7 @@ class Reverifier:
         return self._thread.is_alive()
 
     def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()  # a read under way stops at its next chunk
         self._jobs.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -108,7 +117,8 @@ class Reverifier:
         """Read `target` again (its files now have identities `now`); False when that is under
         way or was done for these identities."""
         key = (target.path, target.fingerprint, now)
-        if key in self._failed or (target.name, target.fingerprint) in self.under_way:
+        waiting = self._retry_at.get((target.path, target.fingerprint), 0.0) > time.monotonic()
+        if key in self._failed or waiting or (target.name, target.fingerprint) in self.under_way:
             return False
         self.under_way[(target.name, target.fingerprint)] = key
         checked = replace(options, verify_digests=True)  # only digests can show the bytes are the same
@@ -118,14 +128,19 @@ class Reverifier:
     def done(self, result: Reverified) -> None:
         key = self.under_way.pop((result.name, result.fingerprint), None)
         if result.files is None and key is not None:
-            self._failed.add(key)
+            if result.final:
+                self._failed.add(key)
+            else:
+                self._retry_at[key[:2]] = time.monotonic() + RETRY_CHANGED
 
     def _run(self) -> None:
         while (work := self._jobs.get()) is not None:
             started = time.perf_counter()
             target = work.target
-            verdict = gate.check(Path(target.path), serving=work.serving, options=work.options)
+            run = gate.Run(threads=work.options.digest_threads, cancel=self._stop)
+            verdict = gate.check(Path(target.path), serving=work.serving, options=work.options, run=run)
             why = _judge(target, verdict)
             files = None if why else verdict.files
             seconds = time.perf_counter() - started
-            self._post(Reverified(target.name, target.fingerprint, files, why, seconds))
+            final = verdict.status != "pending"
+            self._post(Reverified(target.name, target.fingerprint, files, why, seconds, final))

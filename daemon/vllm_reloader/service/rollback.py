@@ -100,6 +100,12 @@ def choose(
     return target
 
 
+REVERIFY_HOLD = 120.0
+"""How long a new version waits to load while a better rollback target's bytes are read again:
+after that it loads with the target there is (a hung disk or a file touched faster than it can
+be read must not stop loading)."""
+
+
 class Targets:
     """Each engine's rollback target, worked out when it is needed (and shown in the metrics);
     a target whose files moved at the same sizes is read again off the loop (`reverify`)."""
@@ -122,6 +128,17 @@ class Targets:
         target = choose(engine.served, root, candidates, skip=skip, log=engine.log, reverify=reverify)
         self.metrics.rollback_ready.labels(engine=engine.url).set(1 if target else 0)
         return target
+
+    def holding(self, engine: Engine) -> bool:
+        """Whether a target of `engine` better than the one it would use is being read again."""
+        under_way = self.reverifier.under_way
+        return any((g.name, g.fingerprint) in under_way for g in engine.served.good[: self._rank(engine)])
+
+    def _rank(self, engine: Engine) -> int:
+        """How many of `engine`'s good checkpoints come before its rollback target."""
+        good = engine.served.good
+        names = [g.version for g in good]
+        return names.index(engine.served.rollback) if engine.served.rollback in names else len(good)
 
     def reverified(self, result: Reverified, engines: Iterable[Engine]) -> bool:
         """A target's bytes were read again: the same ones take their new identities. Returns

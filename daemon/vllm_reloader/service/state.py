@@ -47,8 +47,9 @@ class Rejection(BaseModel):
     reason: str
     fingerprint: str
     at: float
-    name: str = ""
-    """The version's name (its key, in state files from before versions were content)."""
+    earlier: tuple[str, ...] = ()
+    """The fingerprints of the name's contents rejected before this one (newest first): none of
+    them is tried again either."""
 
 
 class State(BaseModel):

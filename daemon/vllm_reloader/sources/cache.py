@@ -9,6 +9,7 @@ half-deleted.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,7 +29,7 @@ def prune(root: Path, names: list[str]) -> list[str]:
     """Delete downloaded checkpoints from `root`; returns the names deleted."""
     done = []
     for name in names:
-        doomed = root / f".deleting-{name}"
+        doomed = root / f".deleting-{secrets.token_hex(8)}"  # short: a name may be 255 bytes
         try:
             os.rename(root / name, doomed)
         except OSError:

@@ -67,8 +67,15 @@ def name_too_long(root: Path, directory: str) -> str | None:
     return None
 
 
-OWN_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EINVAL, errno.EISDIR, errno.ENOTDIR, errno.EILSEQ})
-"""A download failing with one of these fails for its own names or paths: no retry fixes it."""
+OWN_ERRNOS = {
+    errno.ENAMETOOLONG: "local",
+    errno.EILSEQ: "local",
+    errno.EISDIR: "paths",
+    errno.ENOTDIR: "paths",
+}
+"""A download failing with one of these fails for its own names or paths: no retry fixes it.
+The check it is rejected with: `local` (this host's filesystem cannot hold it: not a verdict on
+the version for the fleet) or `paths` (its paths clash, on any host)."""
 
 
 def candidate_name(root: Path, path: str, ignore: Iterable[str]) -> str | None:

@@ -222,8 +222,8 @@ class RemoteSource:
         for candidate in order.to_try(candidates, serving=self.serving(), rejected=rejected):
             name = candidate.name
             seen = self.seen[name]
-            if problem := self._own_problem(name, seen):
-                check = "manifest" if seen.problem else "paths"
+            if own := self._own_problem(name, seen):
+                problem, check = own
                 self._reject(name, None, Incomplete("rejected", problem, seen.fingerprint, check))
                 continue  # rejected once; the next one may load
             bucket = self._listing(name, by_name[name], seen.signal, seen.data)
@@ -246,13 +246,20 @@ class RemoteSource:
                 self._reject(name, manifest, verdict)
         self.pending = waiting
 
-    def _own_problem(self, name: str, seen: Seen) -> str:
-        """Why this candidate can never be placed, whatever a retry does: not one that holds
-        older good versions back at every poll."""
+    def _own_problem(self, name: str, seen: Seen) -> tuple[str, str] | None:
+        """Why this candidate can never be placed, whatever a retry does, and the check that
+        says so (`local`: this host's filesystem only, no verdict for the fleet): not one that
+        holds older good versions back at every poll."""
         if seen.problem:
-            return seen.problem
+            return seen.problem, "manifest"
+        if order.split_placed(name)[1]:
+            return "name ends in @ and 16 hex digits, as the cache names its downloads: rename it", "paths"
+        if problem := local.unusable_name(name):
+            return problem, "paths"
         directory = order.placed_name(name, seen.fingerprint)
-        return local.unusable_name(name) or local.name_too_long(self.config.checkpoint_root, directory) or ""
+        if problem := local.name_too_long(self.config.checkpoint_root, directory):
+            return problem, "local"
+        return None
 
     def _placed(self) -> dict[str, set[str]]:
         """The contents of each name already in the cache (their fingerprints, as the placed
@@ -311,7 +318,7 @@ class RemoteSource:
 
     def _reject(self, name: str, manifest: Manifest | None, verdict: Incomplete) -> None:
         fp = verdict.fingerprint or self.seen[name].fingerprint
-        self.rejected_here.setdefault(name, set()).add(fp)
+        self.rejected_here.setdefault(order.base_name(name), set()).add(fp)  # as `to_try` looks it up
         version = (manifest.version if manifest else None) or name
         self.post(Rejected(name, version, verdict.reason, fp, verdict.check))
 
@@ -342,7 +349,9 @@ class RemoteSource:
             return
         except DownloadError as exc:
             if isinstance(exc.__cause__, OSError) and exc.__cause__.errno in local.OWN_ERRNOS:
-                own = Incomplete("rejected", str(exc), listed.fingerprint, "paths")
+                own = Incomplete(
+                    "rejected", str(exc), listed.fingerprint, local.OWN_ERRNOS[exc.__cause__.errno]
+                )
                 self._reject(name, listed.manifest, own)
                 return  # its own names or paths: no retry fixes it
             self._report("download", str(exc), name=name, retry_in_s=self.config.source.interval)
