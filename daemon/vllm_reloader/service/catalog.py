@@ -163,17 +163,11 @@ class Catalog:
 
     def reject(
         self, name: str, version: str | None, reason: str, fingerprint: str, **details: object
-    ) -> None:
+    ) -> dict[str, object]:
+        """Records a rejection; returns its `checkpoint.rejected` line's fields, which the caller
+        logs once the state file holds it (whoever reads the file on that line sees it there)."""
         version = version or order.base_name(name)
         self.pending.pop(name, None)
-        self.log.warning(
-            "checkpoint.rejected",
-            name=name,
-            version=version,
-            fingerprint=fingerprint,
-            reason=reason,
-            **details,
-        )
         base = order.base_name(name)
         before = self.rejected.get(base)
         earlier = () if before is None else (before.fingerprint, *before.earlier)
@@ -182,6 +176,7 @@ class Catalog:
             version=version, reason=reason, fingerprint=fingerprint, at=time.time(), earlier=earlier
         )
         self.rejected_view = _fingerprints(self.rejected)
+        return dict(name=name, version=version, fingerprint=fingerprint, reason=reason, **details)
 
     def pin(self, name_or_version: str | None) -> str | None:
         """An operator's pin (None: unpin), by directory name or version; returns an error."""

@@ -205,10 +205,10 @@ class Reloader:
             self.metrics.bytes_reloaded.labels(**labels).inc(decision.reloaded["bytes"])
             served.last_reload = {k: decision.reloaded[k] for k in ("version", "duration_ms", "at")}
             self.prune_cache()
+        if (r := decision.reject) is not None:  # in the state file before any line of the decision
+            self._reject(r.name, r.version, r.reason, r.fingerprint, check=r.check)
         for event in decision.events:
             getattr(engine.log, event.level)(event.name, **event.fields)
-        if (r := decision.reject) is not None:
-            self._reject(r.name, r.version, r.reason, r.fingerprint, check=r.check)
         if decision.engine_down is not None:
             engine.went_down(decision.engine_down, self.config.engine.retry_max)
         else:
@@ -384,8 +384,9 @@ class Reloader:
         self, name: str, version: str | None, reason: str, fingerprint: str, **details: object
     ) -> None:
         self.metrics.rejected.labels(check=details.get("check", "")).inc()
-        self.catalog.reject(name, version, reason, fingerprint, **details)
-        self._persist()
+        said = self.catalog.reject(name, version, reason, fingerprint, **details)
+        self._persist()  # then the line: whoever reads the state file on it finds the rejection
+        self.log.warning("checkpoint.rejected", **said)
 
     def _persist(self) -> None:
         served, catalog = self.served, self.catalog
