@@ -144,10 +144,9 @@ class RemoteSource:
     def _run(self) -> None:
         try:
             while not self.stop.is_set():
-                try:
-                    self.fleet.write_queued()
-                except SourceError as exc:
-                    self._report("source", str(exc), retry_in_s=self.config.source.interval)
+                # A refused write is logged by the fleet as its own condition: the listing may
+                # work all the while (a read-only policy on `_verdicts/`), so no `source.failed`.
+                self.fleet.write_queued(retry_in_s=self.config.source.interval)
                 self.poll()
                 self.wake.wait(self.config.source.interval)
                 self.wake.clear()

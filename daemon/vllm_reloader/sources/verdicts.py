@@ -187,6 +187,12 @@ class Fleet:
         self.store, self.rollout, self.log, self.state_dir = store, rollout, log, state_dir
         self.reader = Reader(store)
         self.queued: queue.SimpleQueue[Verdict] = queue.SimpleQueue()
+        """Verdicts the loop handed over (`RemoteSource.record`), not yet taken by this thread."""
+        self.unwritten: list[Verdict] = []
+        """Taken from `queued`, in order, not written yet: the store refused the first."""
+        self.write_problem: str | None = None
+        """Why the store refused the last write (logged once per reason); None while writes work."""
+        self._written_since = 0
         self._instance: str | None = None
         self.recalled: set[tuple[str, str]] = set()
         """(name, fingerprint) already told to the loop as failed while served here."""
@@ -199,15 +205,47 @@ class Fleet:
                 self.log.warning("verdict.instance_unsaved", reason=problem, instance=self._instance)
         return self._instance
 
-    def write_queued(self) -> None:
-        """Write every queued verdict; one the store refuses stays queued (SourceError)."""
-        while not self.queued.empty():
-            v = self.queued.get()
+    def write_queued(self, **fields: Any) -> bool:
+        """Write every queued verdict, in order; whether none is left. One the store refuses
+        stays queued, with those behind it, for the next call. A refusal is the writes' own
+        condition, not the source's (a read-only policy on `_verdicts/` leaves listing
+        working): `verdict.write_failed` once per reason (with `fields`, e.g. `retry_in_s`),
+        then one `verdict.written` once the store took every one of them."""
+        while True:
+            try:
+                self.unwritten.append(self.queued.get_nowait())
+            except queue.Empty:
+                break
+        while self.unwritten:
+            v = self.unwritten[0]
             try:
                 self._write(v)
-            except SourceError:
-                self.queued.put(v)
-                raise
+            except SourceError as exc:
+                self._refused(v, str(exc), **fields)
+                return False
+            self.unwritten.pop(0)
+            self._written_since += 1
+        if self.write_problem is not None:
+            self.log.info("verdict.written", verdicts=self._written_since, previous_reason=self.write_problem)
+            self.write_problem = None
+        self._written_since = 0
+        return True
+
+    def _refused(self, v: Verdict, reason: str, **fields: Any) -> None:
+        if reason == self.write_problem:
+            return
+        self.write_problem = reason
+        where = key(v.name, v.fingerprint, self.rollout.host, "passed" if v.passed else "failed")
+        self.log.error(
+            "verdict.write_failed",
+            reason=reason,
+            key=where,
+            name=v.name,
+            version=v.version,
+            fingerprint=v.fingerprint,
+            queued=len(self.unwritten),
+            **fields,
+        )
 
     def _write(self, v: Verdict) -> None:
         host = self.rollout.host
@@ -229,8 +267,11 @@ class Fleet:
             instance=self.instance,
         )
         where = key(v.name, v.fingerprint, host, verdict)
-        created = self.store.create(where, record.model_dump_json().encode())
-        other = self._other_instance(v.name, v.fingerprint, host)
+        created = self.store.create(where, record.model_dump_json().encode())  # refused: SourceError
+        try:
+            other = self._other_instance(v.name, v.fingerprint, host)
+        except SourceError:
+            other = None  # the folder cannot be listed now: the record is written all the same
         if other is not None:
             self.log.error(
                 "verdict.host_conflict",

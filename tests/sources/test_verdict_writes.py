@@ -1,0 +1,136 @@
+"""A store that refuses verdict writes (a read-only IAM policy on `_verdicts/`) while its
+listing works: one `verdict.write_failed`, never `source.failed`, and the record written once
+the store takes it (moto on loopback, the object-store thread's own loop)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import structlog
+
+from tests.support.store_fixtures import Bucket
+from vllm_reloader import config
+from vllm_reloader.checkpoint import order
+from vllm_reloader.errors import SourceError
+from vllm_reloader.sources import verdicts
+from vllm_reloader.sources.objstore import Store
+from vllm_reloader.sources.remote import RemoteSource
+
+FP = "1" * 64
+
+
+class Refusing:
+    """`Store.create` answering as a read-only policy does, while `refuse` is set."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.refuse = threading.Event()
+        self.refused = 0
+        real = Store.create
+
+        def create(store: Store, key: str, data: object) -> bool:
+            if self.refuse.is_set():
+                self.refused += 1
+                raise SourceError(f"PUT {store.url}/{key}: AccessDenied")
+            return real(store, key, data)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(Store, "create", create)
+
+
+def source(tmp_path: Path, bucket: Bucket) -> tuple[RemoteSource, list[int]]:
+    cfg = config.Config(
+        source=config.SourceConfig(path=bucket.url, poll_interval=0.02),
+        engine=config.EngineConfig(url="http://127.0.0.1:1"),
+        state=config.StateConfig(dir=tmp_path / "state", min_free_bytes=0),
+        rollout=config.RolloutConfig(host="canary-1"),
+    )
+    found = RemoteSource(cfg, serving=lambda: order.NOTHING, rejected=dict, post=lambda _: None)
+    polls = [0]
+    poll = found.poll
+
+    def counted() -> None:
+        poll()
+        polls[0] += 1
+
+    found.poll = counted  # type: ignore[method-assign]
+    return found, polls
+
+
+def wait_until(predicate, timeout: float = 15.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_verdict_write_refused_is_its_own_condition_logged_once_never_a_source_failure(
+    tmp_path: Path, bucket: Bucket, monkeypatch: pytest.MonkeyPatch
+):
+    store = Refusing(monkeypatch)
+    store.refuse.set()
+    remote, polls = source(tmp_path, bucket)
+    where = verdicts.key("step-5", FP, "canary-1", "passed")
+    with structlog.testing.capture_logs() as logs:
+        remote.start()
+        try:
+            remote.record(verdicts.Verdict("step-5", "step-5", FP, True))
+            wait_until(lambda: store.refused >= 5 and polls[0] >= 5)  # several polls, each refused
+            assert where not in bucket.listed()
+            store.refuse.clear()
+            remote.wake.set()
+            wait_until(lambda: where in bucket.listed())
+            wait_until(lambda: any(e["event"] == "verdict.written" for e in logs))
+            seen = polls[0]
+            wait_until(lambda: polls[0] >= seen + 3)  # and quiet after it
+        finally:
+            remote.close()
+    events = [e["event"] for e in logs]
+    assert "source.failed" not in events and "source.recovered" not in events, events
+    (failed,) = [e for e in logs if e["event"] == "verdict.write_failed"]
+    assert failed["log_level"] == "error"
+    assert failed["key"] == where and failed["reason"] == f"PUT {bucket.url}/{where}: AccessDenied"
+    assert failed["name"] == "step-5" and failed["fingerprint"] == FP and failed["queued"] == 1
+    (written,) = [e for e in logs if e["event"] == "verdict.written"]
+    assert written["verdicts"] == 1 and written["log_level"] == "info"
+    assert events.count("verdict.recorded") == 1
+    assert (
+        events.index("verdict.write_failed")
+        < events.index("verdict.recorded")
+        < events.index("verdict.written")
+    )
+
+
+def test_verdict_write_refusals_keep_the_order_and_log_again_only_for_a_new_reason(
+    tmp_path: Path, bucket: Bucket, monkeypatch: pytest.MonkeyPatch
+):
+    store = Refusing(monkeypatch)
+    store.refuse.set()
+    fleet = verdicts.Fleet(
+        Store(bucket.url), config.RolloutConfig(host="h"), structlog.get_logger(), tmp_path
+    )
+    for name in ("step-1", "step-2"):
+        fleet.queued.put(verdicts.Verdict(name, name, FP, False, "canary: NaN"))
+    refusing = Store.create
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(4):
+            fleet.write_queued()
+        assert [e["event"] for e in logs] == ["verdict.write_failed"]
+        assert logs[0]["name"] == "step-1" and logs[0]["queued"] == 2
+        monkeypatch.setattr(Store, "create", lambda *_: (_ for _ in ()).throw(SourceError("PUT: timed out")))
+        fleet.write_queued()
+        fleet.write_queued()
+    first = f"PUT {bucket.url}/{verdicts.key('step-1', FP, 'h', 'failed')}: AccessDenied"
+    assert [e["reason"] for e in logs] == [first, "PUT: timed out"]
+    monkeypatch.setattr(Store, "create", refusing)
+    store.refuse.clear()
+    with structlog.testing.capture_logs() as logs:
+        fleet.write_queued()
+        fleet.write_queued()
+    assert [(e["event"], e.get("name")) for e in logs] == [
+        ("verdict.recorded", "step-1"),
+        ("verdict.recorded", "step-2"),
+        ("verdict.written", None),
+    ]
+    assert logs[-1]["verdicts"] == 2
