@@ -1,6 +1,8 @@
+from collections.abc import Iterator
+
 import pytest
 
-from vllm_reloader import config
+from vllm_reloader import config, log
 from vllm_reloader.errors import ConfigError
 
 MINIMAL = """
@@ -11,6 +13,13 @@ url = "http://127.0.0.1:8000/"
 [state]
 dir = "/var/lib/vllm-reloader"
 """
+
+
+@pytest.fixture(autouse=True)
+def no_secrets_left() -> Iterator[None]:
+    """A key parsed here is registered for redaction; no later test's log should lose it."""
+    yield
+    log.forget_secrets()
 
 
 def test_config_minimal_file_gets_defaults():

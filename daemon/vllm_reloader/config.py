@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from . import log
 from .errors import ConfigError
 
 REMOTE_SCHEMES = ("s3://", "gs://", "az://")
@@ -321,9 +322,14 @@ def parse(text: str, origin: str = "<config>", environ: Mapping[str, str] | None
         raise ConfigError(f"{origin}: {_describe(exc)}") from exc
     environ = os.environ if environ is None else environ
     key_file = config.engine.api_key_file
-    key = _read_api_key(key_file, origin) if key_file else environ.get(API_KEY_ENV, "").strip()
+    if key_file:
+        key = _read_api_key(key_file, origin)
+    else:  # empty or unset: no key, as vLLM itself reads its VLLM_API_KEY
+        key = environ.get(API_KEY_ENV, "").strip()
+        _check_printable(key, f"{origin}: {API_KEY_ENV} (the environment)")
     if not key:
         return config
+    log.add_secret(key)
     engine = config.engine.model_copy(update={"api_key": SecretStr(key)})
     return config.model_copy(update={"engine": engine})
 
@@ -342,7 +348,19 @@ def _read_api_key(path: Path, origin: str) -> str:
         raise ConfigError(f"{where}: readable by others (mode {stat.S_IMODE(mode):04o}); chmod 600 it")
     if not key or any(c.isspace() for c in key):
         raise ConfigError(f"{where}: must hold one key, no spaces" if key else f"{where}: is empty")
+    _check_printable(key, where)
     return key
+
+
+def _check_printable(key: str, where: str) -> None:
+    """An HTTP header takes printable ASCII only; the library refusing anything else quotes
+    the whole header, key included, in its error. Named by where it came from, never shown."""
+    for char in key:
+        if not " " <= char <= "~":
+            kind = (
+                "a control character" if char.isascii() or not char.isprintable() else "a non-ASCII character"
+            )
+            raise ConfigError(f"{where}: the key holds {kind}; it must be printable ASCII")
 
 
 def load(path: Path) -> Config:
