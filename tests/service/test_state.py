@@ -1,5 +1,7 @@
+import errno
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -139,3 +141,94 @@ def test_state_of_the_previous_release_whose_serving_copy_was_replaced_loads_wha
     running = start(engine)
     running.wait_for("reload.succeeded", version="latest")
     assert engine.loaded == str(root / "latest")
+
+
+class Recorded:
+    """A logger that keeps what it was told."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict]] = []
+
+    def warning(self, event: str, **fields: object) -> None:
+        self.events.append((event, fields))
+
+    error = warning
+
+
+def failing_reads(monkeypatch, error: OSError, times: int | None = None) -> list[int]:
+    """`state.json` cannot be read (`times` times, or for ever). The suite runs as root, so a
+    chmod would not do."""
+    calls: list[int] = []
+    read = Path.read_bytes
+
+    def read_bytes(path: Path) -> bytes:
+        if path.name == state.STATE_NAME and (times is None or len(calls) < times):
+            calls.append(1)
+            raise error
+        return read(path)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(state, "READ_BACKOFF_S", 0.001)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "error", [PermissionError(errno.EACCES, "Permission denied"), OSError(errno.EIO, "Input/output error")]
+)
+def test_state_file_that_cannot_be_read_is_not_set_aside_and_nothing_is_lost(tmp_path, monkeypatch, error):
+    state.save(tmp_path, sample())
+    saved = (tmp_path / state.STATE_NAME).read_bytes()
+    calls = failing_reads(monkeypatch, error)
+    log = Recorded()
+    with pytest.raises(StateError, match=rf"cannot read .*state.json: {error.strerror} \(4 tries\)"):
+        state.StateFile(tmp_path, log)
+    assert len(calls) == state.READ_TRIES
+    assert [p.name for p in tmp_path.iterdir()] == [state.STATE_NAME]
+    assert [e for e, _ in log.events] == ["state.unreadable"] * state.READ_TRIES
+    assert log.events[0][1]["reason"] == error.strerror and log.events[-1][1]["retry_in_s"] is None
+    monkeypatch.undo()
+    assert (tmp_path / state.STATE_NAME).read_bytes() == saved
+    assert state.load(tmp_path) == sample()
+
+
+def test_state_file_unreadable_for_a_moment_is_read_on_a_retry(tmp_path, monkeypatch):
+    state.save(tmp_path, sample())
+    failing_reads(monkeypatch, OSError(errno.EIO, "Input/output error"), times=2)
+    log = Recorded()
+    assert state.StateFile(tmp_path, log).saved == sample()
+    assert [(e, f["attempt"]) for e, f in log.events] == [("state.unreadable", 1), ("state.unreadable", 2)]
+    assert [p.name for p in tmp_path.iterdir()] == [state.STATE_NAME]
+
+
+def test_state_file_read_and_not_parsed_is_still_set_aside_and_logged(tmp_path):
+    (tmp_path / state.STATE_NAME).write_text('{"serving": {"name": 3')
+    log = Recorded()
+    assert state.StateFile(tmp_path, log).saved == state.State()
+    [(event, fields)] = log.events
+    assert event == "state.corrupt" and Path(str(fields["moved_to"])).read_text() == '{"serving": {"name": 3'
+
+
+def test_daemon_whose_state_file_cannot_be_read_exits_1_with_one_line(tmp_path, monkeypatch, capsys):
+    """Exit 1, not 2: the unit's `RestartPreventExitStatus=2` would keep it down for good, and a
+    disk that failed a read may answer at the next start."""
+    from vllm_reloader import cli
+    from vllm_reloader.service.daemon import Daemon
+
+    (tmp_path / "root").mkdir()
+    state.save(tmp_path / "state", sample())
+    path = tmp_path / "x.toml"
+    path.write_text(
+        f'[source]\npath = "{tmp_path / "root"}"\n[engine]\nurl = "http://engine.test"\n'
+        f'[state]\ndir = "{tmp_path / "state"}"\n[log]\nformat = "json"\n'
+    )
+    failing_reads(monkeypatch, PermissionError(errno.EACCES, "Permission denied"))
+    monkeypatch.setattr(Daemon, "run", lambda _self: 99)  # started after all: say so, do not hang
+    assert cli.main(["run", "--config", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert err.startswith(
+        f"vllm-reloader: cannot read {tmp_path / 'state' / 'state.json'}: Permission denied"
+    )
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert [json.loads(line)["event"] for line in out.splitlines()] == ["state.unreadable"] * state.READ_TRIES
+    monkeypatch.undo()
+    assert state.load(tmp_path / "state") == sample()

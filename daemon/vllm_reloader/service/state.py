@@ -9,6 +9,7 @@ restarted daemon neither reloads needlessly nor retries a known-bad checkpoint.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -77,29 +78,71 @@ class State(BaseModel):
         return self.good[0] if self.good else None
 
 
-def load(directory: Path) -> State:
-    """The saved state; a file that cannot be parsed is `StateError` (see `load_or_set_aside`)."""
+READ_TRIES = 4
+READ_BACKOFF_S = 0.1
+"""A state file that cannot be read (EACCES, EIO: a disk or mount having a bad moment) is
+tried `READ_TRIES` times, waiting 0.1, 0.2, 0.4 s between; then the daemon does not start."""
+_pause = threading.Event()  # never set: its wait() is an interruptible sleep
+
+
+def load(directory: Path, log: Any = None) -> State:
+    """The saved state. A file that cannot be read, after retries, or that was read and cannot
+    be parsed, is `StateError` (see `load_or_set_aside`, which tells the two apart)."""
     path = directory / STATE_NAME
+    data = _read(path, log)
+    return State() if data is None else _parse(path, data)
+
+
+def _read(path: Path, log: Any) -> bytes | None:
+    """The file's bytes; None when there is none. An error reading it is retried and logged
+    (`state.unreadable`), and in the end a `StateError`: never taken for a corrupt file."""
+    wait = READ_BACKOFF_S
+    for attempt in range(1, READ_TRIES + 1):
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            reason = exc.strerror or str(exc) or type(exc).__name__
+            last = attempt == READ_TRIES
+            if log is not None:
+                log.warning(
+                    "state.unreadable",
+                    path=str(path),
+                    reason=reason,
+                    attempt=attempt,
+                    of=READ_TRIES,
+                    retry_in_s=None if last else round(wait, 3),
+                )
+            if last:
+                raise StateError(
+                    f"cannot read {path}: {reason} ({READ_TRIES} tries); not starting without the "
+                    "pin, rollback history and rejections it holds (exit 1: systemd tries again)"
+                ) from exc
+            _pause.wait(wait)
+            wait *= 2
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _parse(path: Path, data: bytes) -> State:
     try:
-        return State.model_validate_json(path.read_bytes())
-    except FileNotFoundError:
-        return State()
-    except OSError as exc:
-        raise StateError(f"cannot read {path}: {exc.strerror}") from exc
+        return State.model_validate_json(data)
     except ValidationError as exc:
         raise StateError(f"{path} is corrupt: {exc.errors()[0]['msg']}") from exc
 
 
-def load_or_set_aside(directory: Path) -> tuple[State, Path | None]:
-    """The saved state, or — when the file is corrupt — an empty one, the corrupt file moved
-    to `state.json.corrupt-<time>` (returned) so the daemon starts and asks the engine:
-    under systemd a daemon that refused to start would restart forever."""
+def load_or_set_aside(directory: Path, log: Any = None) -> tuple[State, Path | None]:
+    """The saved state, or — when the file was read and is corrupt — an empty one, the corrupt
+    file moved to `state.json.corrupt-<time>` (returned) so the daemon starts and asks the
+    engine: under systemd a daemon that refused to start would restart forever. A file that
+    cannot be read is no proof of corruption: `StateError`, nothing moved (the caller stops)."""
+    path = directory / STATE_NAME
+    data = _read(path, log)
+    if data is None:
+        return State(), None
     try:
-        return load(directory), None
+        return _parse(path, data), None
     except StateError:
-        path = directory / STATE_NAME
-        if not path.is_file():
-            raise
         aside = path.with_name(f"{STATE_NAME}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
         try:
             os.replace(path, aside)
@@ -118,15 +161,19 @@ def save(directory: Path, state: State) -> None:
 
 
 class StateFile:
-    """The state file, written whenever what it holds changes. A disk that fails is logged,
-    not fatal: the engine, not this file, is the truth about what is served."""
+    """The state file, written whenever what it holds changes. A disk that fails a write is
+    logged, not fatal: the engine, not this file, is the truth about what is served. One that
+    fails the first read is `StateError` (after retries): starting empty would forget the pin,
+    the rollback targets and the rejected versions, and load a known-bad one again."""
 
     def __init__(self, directory: Path, log: Any) -> None:
         self.directory, self.log = directory, log
-        self.saved, aside = load_or_set_aside(directory)
+        self.saved, aside = load_or_set_aside(directory, log)
         if aside is not None:
             log.error(
-                "state.corrupt", moved_to=str(aside), reason="unreadable: starting from what the engine says"
+                "state.corrupt",
+                moved_to=str(aside),
+                reason="not valid state: starting from what the engine says",
             )
 
     def save(self, new: State) -> None:
