@@ -101,6 +101,7 @@ def test_the_daemon_with_a_newline_in_vllm_api_key_exits_2_with_one_line_that_hi
     path = tmp_path / "x.toml"
     path.write_text(config_text(tmp_path))
     monkeypatch.setenv("VLLM_API_KEY", f"{KEY}\n{KEY}")
+    monkeypatch.setattr(Daemon, "run", lambda _self: 99)  # started after all: say so, do not hang
     assert cli.main(["run", "--config", str(path)]) == 2
     out, err = capsys.readouterr()
     problem = "the key holds a control character; it must be printable ASCII"
