@@ -97,6 +97,15 @@ class GateConfig(_Section):
     check_finite: bool = True
     """Reject a checkpoint with NaN or Inf in any float tensor (reads every byte, after the digests)."""
     digest_threads: int = Field(4, ge=1, le=64)
+    max_header_bytes: int = Field(256 << 20, ge=1)
+    """The safetensors headers of one checkpoint's shards together, in bytes, as their 8-byte
+    prefixes declare them: over it the checkpoint is rejected before any header is read. The
+    largest real checkpoints (1T-parameter MoE, ~100-300k tensors at ~140 bytes of JSON each)
+    have ~15-40 MB of headers in all."""
+    max_tensors: int = Field(1_000_000, ge=1)
+    """Tensors listed by one checkpoint's shards together, counted before the headers are
+    parsed and again while they are (each costs ~0.4-1 KB of memory while the gate holds it):
+    the largest real checkpoints list ~100-300k."""
 
 
 class EngineConfig(_Section):

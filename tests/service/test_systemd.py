@@ -96,3 +96,15 @@ def test_systemd_units_share_a_hub_cache_the_sandboxed_daemon_can_read():
     assert cache("vllm-reloader.service") == cache("vllm.service")
     assert not cache("vllm.service").startswith(("/home", "/root", "/run/user", "/tmp"))
     assert "ProtectHome=yes" in (UNITS / "vllm-reloader.service").read_text().splitlines()
+
+
+def test_systemd_reloader_unit_bounds_its_memory_and_says_why():
+    """A runaway daemon is killed and restarted, not the engine; the comment above the line
+    says what the daemon holds and why the number."""
+    text = (UNITS / "vllm-reloader.service").read_text()
+    [limit] = re.findall(r"^MemoryMax=(\d+)G$", text, re.M)
+    assert int(limit) >= 2, "above the ~1.3 GB measured at the [gate] bounds"
+    comment = text.split("\nMemoryMax=")[0].rsplit("\n\n", 1)[-1].split("# Memory:", 1)[1]
+    for reason in ("download_concurrency x part_size", "digest_threads", "[gate] bounds", "Page cache"):
+        assert reason in comment.replace("\n# ", " "), reason
+    assert "Restart=on-failure" in text.splitlines()  # restarts after an OOM kill (on-abort would not)

@@ -176,11 +176,43 @@ def _tensor(name: str, entry: Any, data_start: int) -> Tensor | None:
     return Tensor(name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
 
 
-def parse_header(file_name: str, raw: bytes, data_start: int) -> list[Tensor]:
-    """The tensors a safetensors header (the JSON after its 8-byte length) lists, in header
-    order. Raises `LayoutUnreadable` naming the file."""
+class TooManyTensors(LayoutUnreadable):
+    """A header lists more tensors than its reader allows: its parse was cut short there."""
+
+    def __init__(self, file_name: str, max_tensors: int) -> None:
+        super().__init__(f"{file_name}: more than {max_tensors} tensors")
+        self.file_name = file_name
+
+
+def _counted_json(file_name: str, raw: bytes, max_tensors: int) -> Any:
+    """`parse_json`, stopped as soon as the JSON holds more objects than a header of
+    `max_tensors` tensors has (each tensor is one; the header and its `__metadata__` two
+    more): a header of millions of tiny tensors never becomes millions of dicts."""
+    made = 0
+
+    def one_more(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        nonlocal made
+        made += 1
+        if made > max_tensors + 2:
+            raise TooManyTensors(file_name, max_tensors)
+        return dict(pairs)
+
     try:
-        header = parse_json(raw)
+        return json.loads(raw, object_pairs_hook=one_more)
+    except RecursionError as exc:
+        raise ValueError("JSON nested too deeply") from exc
+
+
+def parse_header(file_name: str, raw: bytes, data_start: int, max_tensors: int | None = None) -> list[Tensor]:
+    """The tensors a safetensors header (the JSON after its 8-byte length) lists, in header
+    order. Raises `LayoutUnreadable` naming the file; `TooManyTensors` (counted while parsing)
+    when it lists more than `max_tensors`."""
+    try:
+        # Every object opens with `{`: with no more of them than the cap allows, none to count.
+        if max_tensors is not None and raw.count(b"{") > max_tensors + 2:
+            header = _counted_json(file_name, raw, max_tensors)
+        else:
+            header = parse_json(raw)
     except ValueError as exc:
         raise LayoutUnreadable(f"{file_name}: unreadable safetensors header") from exc
     if not isinstance(header, dict):
@@ -193,6 +225,8 @@ def parse_header(file_name: str, raw: bytes, data_start: int) -> list[Tensor]:
         if tensor is None:
             raise LayoutUnreadable(f"{file_name}: unreadable safetensors header (tensor {name!r})")
         tensors.append(tensor)
+    if max_tensors is not None and len(tensors) > max_tensors:
+        raise TooManyTensors(file_name, max_tensors)
     return tensors
 
 
@@ -201,6 +235,48 @@ def _header_length(file_name: str, prefix: bytes) -> int:
     if length > MAX_HEADER_BYTES:
         raise LayoutUnreadable(f"{file_name}: safetensors header too large")
     return int(length)
+
+
+def declared_header_length(file_name: str, read: Callable[[int, int], bytes], available: int) -> int | None:
+    """The header length a safetensors file's 8-byte prefix declares, nothing more read; None
+    while fewer than 8 bytes are there. Raises `LayoutUnreadable` over `MAX_HEADER_BYTES`."""
+    return None if available < 8 else _header_length(file_name, read(0, 8))
+
+
+def reader(fd: int) -> Callable[[int, int], bytes]:
+    """`read(start, end)` of the file open at `fd`, as `read_header` takes it."""
+    return lambda start, end: os.pread(fd, end - start, start)
+
+
+TENSOR_KEY = b'"data_offsets"'
+"""Every tensor's entry in a header has this key once: counting it counts tensors unparsed."""
+
+
+def header_totals(directory: Path, names: Iterable[str], max_bytes: int, max_tensors: int) -> tuple[int, int]:
+    """What the headers of the safetensors files `names` in `directory` add up to, no JSON
+    parsed: their lengths as each file's 8-byte prefix declares them, summed (over
+    `max_bytes`, nothing more is read and no tensor counted); then their tensors, counted by
+    `TENSOR_KEY` at C speed, until past `max_tensors`. A header not all there yet counts as
+    declared, its tensors as far as written. An estimate for a hostile header (a key written
+    with escapes is not counted): parse with `max_tensors` all the same. Raises
+    `LayoutUnreadable` for a length no safetensors file has; OSError as `open_regular`."""
+    lengths: dict[str, int] = {}
+    for name in names:
+        fd = open_regular(directory / name)
+        try:
+            lengths[name] = declared_header_length(name, reader(fd), os.fstat(fd).st_size) or 0
+        finally:
+            os.close(fd)
+    total, tensors = sum(lengths.values()), 0
+    for name, length in lengths.items():
+        if total > max_bytes or tensors > max_tensors:
+            break
+        fd = open_regular(directory / name)
+        try:
+            tensors += os.pread(fd, length, 8).count(TENSOR_KEY)
+        finally:
+            os.close(fd)
+    return total, tensors
 
 
 @dataclass(frozen=True)
@@ -214,16 +290,16 @@ class Header:
         return max((t.end for t in self.tensors), default=self.data_start)
 
 
-def read_header(file_name: str, read: Callable[[int, int], bytes], available: int) -> Header | None:
+def read_header(
+    file_name: str, read: Callable[[int, int], bytes], available: int, max_tensors: int | None = None
+) -> Header | None:
     """The header of one safetensors file whose first `available` bytes can be read with
     `read(start, end)` (local or remote); None while the header itself is not all there yet
-    (a writer still at it). Raises `LayoutUnreadable`."""
-    if available < 8:
+    (a writer still at it). Raises `LayoutUnreadable` (`TooManyTensors` past `max_tensors`)."""
+    length = declared_header_length(file_name, read, available)
+    if length is None or available < 8 + length:
         return None
-    length = _header_length(file_name, read(0, 8))
-    if available < 8 + length:
-        return None
-    return Header(8 + length, parse_header(file_name, read(8, 8 + length), 8 + length))
+    return Header(8 + length, parse_header(file_name, read(8, 8 + length), 8 + length, max_tensors))
 
 
 def size_from_header(file_name: str, read: Callable[[int, int], bytes], available: int) -> int | None:
@@ -233,10 +309,11 @@ def size_from_header(file_name: str, read: Callable[[int, int], bytes], availabl
     return None if found is None else found.whole_size
 
 
-def header_in(fd: int, file_name: str) -> Header:
-    """The header of the safetensors file open at `fd` (LayoutUnreadable if it is cut short)."""
+def header_in(fd: int, file_name: str, max_tensors: int | None = None) -> Header:
+    """The header of the safetensors file open at `fd` (LayoutUnreadable if it is cut short;
+    `TooManyTensors` past `max_tensors`)."""
     size = os.fstat(fd).st_size
-    found = read_header(file_name, lambda start, end: os.pread(fd, end - start, start), size)
+    found = read_header(file_name, reader(fd), size, max_tensors)
     if found is None:
         raise LayoutUnreadable(f"{file_name}: too short for its safetensors header")
     return found

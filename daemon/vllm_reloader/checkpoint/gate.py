@@ -45,10 +45,14 @@ from .files import (
     RACY_NS,
     Header,
     Identity,
+    TooManyTensors,
     header_in,
+    header_totals,
     is_top_level_shard,
     layout_problem,
     open_regular,
+    read_header,
+    reader,
     weights_from_index,
 )
 from .manifest import Manifest, ManifestFile, path_problem
@@ -80,6 +84,11 @@ class GateOptions:
     check_finite: bool = True
     digest_threads: int = 4
     convention: Convention = field(default_factory=Convention)
+    max_header_bytes: int = 256 << 20
+    """The shards' safetensors headers together, as their 8-byte prefixes declare them (see
+    `config.GateConfig`): over it, none is read."""
+    max_tensors: int = 1_000_000
+    """Tensors listed by the shards' headers together, counted while they are parsed."""
 
     @classmethod
     def from_config(cls, config: Config) -> GateOptions:
@@ -88,6 +97,8 @@ class GateOptions:
             verify_digests=config.gate.verify_digests,
             check_finite=config.gate.check_finite,
             digest_threads=config.gate.digest_threads,
+            max_header_bytes=config.gate.max_header_bytes,
+            max_tensors=config.gate.max_tensors,
             convention=Convention(
                 mode=source.completeness,
                 markers=source.markers,
@@ -150,23 +161,72 @@ def _from_incomplete(found: Incomplete, manifest: Manifest | None = None, finger
     return _rejected(found.reason, manifest, found.fingerprint or fingerprint, check=found.check)
 
 
-def _headers(directory: Path, manifest: Manifest) -> dict[str, Header] | str:
-    """Each shard's header, refused where safetensors would refuse it (read, never mapped)."""
-    found = {}
-    for item in manifest.files:
-        if not is_top_level_shard(item.path):
-            continue
-        fd = open_regular(directory / item.path)
+def _bounds_problem(directory: Path, shards: list[str], options: GateOptions) -> str | None:
+    """Whether the shards' headers are over the bounds, found before any is parsed (see
+    `files.header_totals`). Raises `LayoutUnreadable` for a header no safetensors file has."""
+    size, tensors = header_totals(directory, shards, options.max_header_bytes, options.max_tensors)
+    if size > options.max_header_bytes:
+        return (
+            f"the safetensors headers of {len(shards)} shards declare {size} bytes in all, more than "
+            f"[gate] max_header_bytes = {options.max_header_bytes}: none was read"
+        )
+    return _too_many(options) + ": none was parsed" if tensors > options.max_tensors else None
+
+
+def _too_many(options: GateOptions) -> str:
+    return f"the shards' headers list more than [gate] max_tensors = {options.max_tensors} tensors in all"
+
+
+def _headers(directory: Path, manifest: Manifest, options: GateOptions) -> dict[str, Header] | str:
+    """Each shard's header, refused where safetensors would refuse it (read, never mapped),
+    within the bounds: checked before any is parsed, the tensors counted again while parsing."""
+    shards = [item for item in manifest.files if is_top_level_shard(item.path)]
+    found, left = {}, options.max_tensors
+    try:
+        if problem := _bounds_problem(directory, [item.path for item in shards], options):
+            return problem
+        for item in shards:
+            fd = open_regular(directory / item.path)
+            try:
+                header = header_in(fd, item.path, left)
+            finally:
+                os.close(fd)
+            if problem := layout_problem(item.path, header, item.size):
+                return problem
+            found[item.path], left = header, left - len(header.tensors)
+    except TooManyTensors as exc:  # past the count before parsing: keys written with escapes
+        return f"{exc.file_name}: {_too_many(options)}"
+    except LayoutUnreadable as exc:
+        return str(exc)
+    return found
+
+
+class _Bounded(DirectoryListing):
+    """A directory whose shards' sizes, where `describe` takes them from their headers (a
+    foreign writer's), are read within the bounds, as `_headers` reads them."""
+
+    def __init__(self, directory: Path, options: GateOptions) -> None:
+        super().__init__(directory)
+        self.options = options
+        self._left: int | None = None
+
+    def shard_size(self, name: str) -> int | None:
+        if self._left is None:
+            shards = sorted(n for n, e in self.top().items() if e.regular and is_top_level_shard(n))
+            if problem := _bounds_problem(self.directory, shards, self.options):
+                raise LayoutUnreadable(problem)
+            self._left = self.options.max_tensors
+        fd = open_regular(self.directory / name)
         try:
-            header = header_in(fd, item.path)
-        except LayoutUnreadable as exc:
-            return str(exc)
+            header = read_header(name, reader(fd), os.fstat(fd).st_size, self._left)
+        except TooManyTensors as exc:
+            raise LayoutUnreadable(f"{exc.file_name}: {_too_many(self.options)}") from None
         finally:
             os.close(fd)
-        if problem := layout_problem(item.path, header, item.size):
-            return problem
-        found[item.path] = header
-    return found
+        if header is None:
+            return None
+        self._left -= len(header.tensors)
+        return header.whole_size
 
 
 def _index_problem(listing: Listing, manifest: Manifest) -> str | None:
@@ -206,15 +266,15 @@ def _read_bytes(directory: Path, work: list[scan.Work], run: Run) -> scan.Found 
         return next((r for r in pool.map(one, work) if r), None)
 
 
-def _settled(directory: Path) -> DirectoryListing:
+def _settled(directory: Path, options: GateOptions) -> DirectoryListing:
     """The listing, taken once no file's last change is within a timestamp tick of now."""
-    listing = DirectoryListing(directory)
+    listing = _Bounded(directory, options)
     newest = max((e.identity[4] for e in listing.top().values() if e.identity), default=0)
     wait_ns = newest + RACY_NS - time.time_ns()
     if wait_ns <= 0:
         return listing
     time.sleep(min(wait_ns, RACY_NS) / 1e9)
-    return DirectoryListing(directory)
+    return _Bounded(directory, options)
 
 
 @dataclass(frozen=True)
@@ -278,7 +338,7 @@ def _check(
     unfinished = directory.with_name(directory.name + UNFINISHED_SUFFIX)
     if unfinished.exists():
         return _pending(f"{unfinished.name} is there: the trainer (NeMo) has not finished it")
-    listing = _settled(directory)
+    listing = _settled(directory, options)
     listed = completeness.describe(listing, options.convention, now)
     if isinstance(listed, Incomplete):
         return _from_incomplete(listed)
@@ -289,7 +349,7 @@ def _check(
         return _from_incomplete(incomplete, manifest, fp)
     if options.convention.mode == "manifest" and (problem := _index_problem(listing, manifest)):
         return _rejected(problem, manifest, fp, check="paths")
-    headers = _headers(directory, manifest)
+    headers = _headers(directory, manifest, options)
     if isinstance(headers, str):
         return _rejected(headers, manifest, fp, check="headers")
     if serving is not None:

@@ -1,0 +1,37 @@
+"""Shard headers read from the object store (two small ranged GETs): a header no safetensors
+file can have (its prefix declares more than `files.MAX_HEADER_BYTES`) is refused from its
+8-byte prefix, never fetched (moto on loopback)."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+from tests.support.store_fixtures import Bucket
+from vllm_reloader.checkpoint.files import MAX_HEADER_BYTES
+from vllm_reloader.errors import LayoutUnreadable
+from vllm_reloader.sources.listing import HeaderSizes
+from vllm_reloader.sources.objstore import Store
+
+
+def test_remote_header_longer_than_any_safetensors_header_is_refused_from_its_prefix(
+    bucket: Bucket, monkeypatch: pytest.MonkeyPatch
+):
+    body = json.dumps({"t": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}}).encode()
+    bucket.put("run/model.safetensors", struct.pack("<Q", MAX_HEADER_BYTES + 1) + body)
+    store = Store(bucket.url)
+    ranges: list[tuple[int, int]] = []
+    real = Store.get_range
+
+    def spy(self: Store, key: str, start: int, end: int, etag: str | None) -> memoryview:
+        ranges.append((start, end))
+        return real(self, key, start, end, etag)
+
+    monkeypatch.setattr(Store, "get_range", spy)
+    objects = {k.removeprefix("run/"): o for k, o in store.list_under("run").items()}
+    listing = HeaderSizes(store).listing("run", objects, {})
+    with pytest.raises(LayoutUnreadable, match=r"model\.safetensors: safetensors header too large"):
+        listing.shard_size("model.safetensors")
+    assert ranges == [(0, 8)], "only the prefix fetched"
