@@ -54,6 +54,28 @@ def test_service_sighup_swaps_valid_config_and_keeps_old_on_invalid(service):
     assert daemon.stop() == 0
 
 
+def test_service_sighup_with_a_path_that_cannot_be_made_keeps_the_old_config_and_runs_on(
+    service, make_checkpoint
+):
+    """`systemctl reload` with a typo'd `source.path` (or a `state.dir` under a file): before,
+    the old watcher was closed first and the daemon exited 2, which the unit keeps down."""
+    start, _engine, notify, config, root = service
+    daemon = start()
+    notify.wait_for("READY=1")
+    blocker = root.parent / "a-file"
+    blocker.write_text("not a directory")
+    good = config.read_text()
+    config.write_text(good.replace(f'path = "{root}"', f'path = "{blocker / "checkpoints"}"'))
+    daemon.process.send_signal(signal.SIGHUP)
+    invalid = daemon.wait_for("config.invalid")
+    assert str(blocker) in str(invalid["reason"]) and invalid["kept"] == "previous config"
+    notify.wait_for("READY=1")
+    assert daemon.process.poll() is None, "still running"
+    make_checkpoint("step-2", step=2, root=root)
+    daemon.wait_for("reload.succeeded", version="step-2")  # the old root is still watched
+    assert daemon.stop() == 0
+
+
 def test_service_sigterm_notifies_stopping_and_exits_zero_with_engine_resumed(service):
     start, engine, notify, _config, _root = service
     daemon = start()

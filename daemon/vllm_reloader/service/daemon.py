@@ -322,18 +322,20 @@ class Daemon:
         if new.log != old.log:
             log.configure(new.log.level, new.log.format, priority_prefix=new.log.priority_prefix)
         if new.source != old.source or new.state != old.state or new.rollout != old.rollout:
-            try:
+            try:  # every new part built before any old one is closed: a bad path keeps the old
                 remote = self._make_remote(new)
-            except ConfigError as exc:
-                self.log.error("config.invalid", reason=str(exc), kept="previous config")
+                _make_root(new)
+                watcher = self._make_watcher(new)
+            except (ConfigError, OSError) as exc:
+                reason = str(exc) if isinstance(exc, ConfigError) else f"source: {exc.strerror or exc}"
+                self.log.error("config.invalid", reason=reason, kept="previous config")
                 self.notifier.ready(status.line(self.snapshot()))
                 return
             if self.remote:
                 self.remote.close()
             self.remote = remote
             self.watcher.close()
-            _make_root(new)
-            self.watcher = self._make_watcher(new)
+            self.watcher = watcher
             self.watcher.start()
             if self.remote:
                 self.remote.start()
