@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
 
 import pytest
+import structlog
 
 pytest_plugins = [
     "tests.support.checkpoints",
@@ -13,6 +15,15 @@ pytest_plugins = [
     "tests.support.service_fixtures",
     "tests.support.store_fixtures",
 ]
+
+
+@pytest.fixture(autouse=True)
+def logging_as_it_was() -> Iterator[None]:
+    """A test that configures logging (`cli.main run` does) leaves it as it found it: loggers of
+    later tests would write to that test's closed capture stream."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -154,9 +154,10 @@ class Engine:
         self.log.info("engine.resumed")
 
     def as_follower(self, decision: outcomes.Decision, config: EngineConfig) -> outcomes.Decision:
-        """A follower loads a version that passed on the canary engine: a failure here is this
-        engine's, retried with a backoff, and blames no checkpoint."""
-        if decision.result == "succeeded":
+        """A follower loads a version that passed on the canary engine: a failed reload here is
+        this engine's, retried with a backoff, and blames no checkpoint; a failed canary blames
+        the version, for the whole host (loading the same weights again would fail again)."""
+        if decision.result == "succeeded" or (decision.reject and decision.reject.check == "canary"):
             self.last_error, self.retry_at_follow = None, 0.0
             return decision
         reason = decision.reject.reason if decision.reject else decision.result

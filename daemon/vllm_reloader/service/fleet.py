@@ -63,10 +63,11 @@ class Recalls:
     """Contents a canary host failed while engines here served them."""
 
     log: Any
-    failed: dict[tuple[str, str], tuple[str, str]] = dataclasses.field(default_factory=dict)
-    """(name, fingerprint) → (version, reason)."""
-    rolling: dict[str, tuple[Job, str, str]] = dataclasses.field(default_factory=dict)
-    """An engine's URL → its rollback job, with the version it leaves and why."""
+    failed: dict[tuple[str, str], tuple[str, str, str]] = dataclasses.field(default_factory=dict)
+    """(name, fingerprint) → (version, reason, cause: `fleet`, or `canary` when an engine of this
+    host failed it)."""
+    rolling: dict[str, tuple[Job, str, str, str]] = dataclasses.field(default_factory=dict)
+    """An engine's URL → its rollback job, with the version it leaves, why, and the cause."""
     stuck: set[tuple[str, str, str]] = dataclasses.field(default_factory=set)
     """(engine URL, name, fingerprint) with nothing to go back to: said once."""
 
@@ -75,8 +76,16 @@ class Recalls:
             return False
         return (order.base_name(loaded.name), loaded.fingerprint) in self.failed
 
-    def add(self, name: str, version: str, fingerprint: str, reason: str, engines: Iterable[Engine]) -> None:
-        self.failed[(name, fingerprint)] = (version, reason)
+    def add(
+        self,
+        name: str,
+        version: str,
+        fingerprint: str,
+        reason: str,
+        engines: Iterable[Engine],
+        cause: str = "fleet",
+    ) -> None:
+        self.failed[(name, fingerprint)] = (version, reason, cause)
         self._forget(engines)
 
     def _forget(self, engines: Iterable[Engine]) -> None:
@@ -109,9 +118,14 @@ class Recalls:
             content = (engine.url, order.base_name(serving.name), serving.fingerprint)
             if not served.reconciled or now < engine.retry_at_follow or content in self.stuck:
                 continue
-            _, reason = self.failed[content[1:]]
+            _, reason, cause = self.failed[content[1:]]
             back = target(engine, serving.name)
-            fields = {"version": serving.version, "fingerprint": serving.fingerprint, "reason": reason}
+            fields = {
+                "version": serving.version,
+                "fingerprint": serving.fingerprint,
+                "reason": reason,
+                "cause": cause,
+            }
             if back is None:
                 self.stuck.add(content)
                 engine.log.error(
@@ -124,7 +138,7 @@ class Recalls:
             engine.log.warning("fleet.recalled", to_version=back.version, **fields)
             load(engine, back)
             if engine.in_flight is not None:
-                self.rolling[engine.url] = (engine.in_flight, serving.version, reason)
+                self.rolling[engine.url] = (engine.in_flight, serving.version, reason, cause)
             room -= 1
 
     def finished(self, url: str, job: Job, decision: Decision) -> Decision:
@@ -135,7 +149,7 @@ class Recalls:
         del self.rolling[url]
         if decision.result != "succeeded":
             return decision
-        _, version, reason = rolling
-        fields = {"version": version, "to_version": job.target.version, "cause": "fleet", "reason": reason}
+        _, version, reason, cause = rolling
+        fields = {"version": version, "to_version": job.target.version, "cause": cause, "reason": reason}
         event = Event("warning", "reload.rolled_back", fields)
-        return dataclasses.replace(decision, events=(*decision.events, event), rollback="fleet")
+        return dataclasses.replace(decision, events=(*decision.events, event), rollback=cause)

@@ -150,7 +150,7 @@ def _canary_failed(outcome: Outcome, events: list[Event], owed: bool, now: float
     already loaded the fallback back when there was one."""
     job, reason = outcome.job, f"canary: {outcome.canary_failed}"
     version = job.target.version
-    reject = Rejecting(job.candidate.name, version, reason, job.candidate.fingerprint, "canary")
+    reject = Rejecting(job.candidate.name, version, reason, _fingerprint(job), "canary")
     if outcome.rolled_back and job.fallback is not None:
         events.append(
             Event(

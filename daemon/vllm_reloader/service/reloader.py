@@ -179,6 +179,10 @@ class Reloader:
         decision = self.recalls.finished(engine.url, outcome.job, outcomes.decide(outcome, now=time.time()))
         if engine is not self.canary:
             decision = engine.as_follower(decision, self.config.engine)
+            if (r := decision.reject) is not None:  # its canary failed: every engine on it goes back
+                self.recalls.add(
+                    order.base_name(r.name), r.version, r.fingerprint, r.reason, self.engines, "canary"
+                )
         elif outcome.job.candidate.fingerprint:  # not a restore
             self._tell(fleet.judged(outcome.job, decision))
         self._apply(engine, decision)
@@ -390,11 +394,5 @@ class Reloader:
 
     def _persist(self) -> None:
         served, catalog = self.served, self.catalog
-        self.state_file.save(
-            State(
-                serving=served.serving,
-                good=served.good,
-                rejected=dict(catalog.rejected),
-                pinned=catalog.pinned,
-            )
-        )
+        state = State(serving=served.serving, good=served.good, rejected=dict(catalog.rejected))
+        self.state_file.save(state.model_copy(update={"pinned": catalog.pinned}))
