@@ -3,6 +3,7 @@ engines' rolling update is in tests/e2e/test_e2e_engines.py."""
 
 from __future__ import annotations
 
+import hashlib
 import signal
 import time
 
@@ -47,7 +48,10 @@ def test_engines_roll_a_checkpoint_through_canary_engine_first_one_at_a_time(sta
         (follower_url(0), "step-2", "serving"),
     ]
     shown = status.render(answer)
-    assert f"  {ENGINE_URL}  step-2  serving" in shown and f"  {follower_url(0)}  step-2  serving" in shown
+    content = hashlib.sha256((root / "step-2" / "manifest.json").read_bytes()).hexdigest()
+    assert [v["fingerprint"] for v in answer["engines"]] == [content, content], "which content each holds"
+    assert f"  {ENGINE_URL}  step-2 ({content[:16]})  serving" in shown
+    assert f"  {follower_url(0)}  step-2 ({content[:16]})  serving" in shown
 
 
 def test_engines_with_max_unavailable_two_reload_followers_together(start, root, make_checkpoint):

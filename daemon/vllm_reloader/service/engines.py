@@ -326,6 +326,7 @@ class Engines:
             status.EngineView(
                 url=e.url,
                 version=e.served.serving.version if e.served.serving else None,
+                fingerprint=e.served.serving.fingerprint or None if e.served.serving else None,
                 state=rollout.state(
                     up=e.served.up,
                     busy=e.in_flight is not None,

@@ -31,11 +31,14 @@ class EngineView:
     last_error: str | None = None
     """Why the last reload here failed; it is retried in `retry_in_s`."""
     retry_in_s: float | None = None
+    fingerprint: str | None = None
+    """Which content of `version` it holds (two may share a version name)."""
 
     def answer(self) -> dict[str, Any]:
         return {
             "url": self.url,
             "version": self.version,
+            "fingerprint": self.fingerprint,
             "state": self.state,
             "reachable": self.reachable,
             "last_reload": dict(self.last_reload) if self.last_reload else None,
@@ -158,7 +161,8 @@ def _ago(timestamp: float) -> str:
 
 
 def _engine_line(engine: dict[str, Any]) -> str:
-    line = f"  {engine['url']}  {engine['version']}  {engine['state']}"
+    content = f" ({engine['fingerprint'][:16]})" if engine.get("fingerprint") else ""
+    line = f"  {engine['url']}  {engine['version']}{content}  {engine['state']}"
     if last := engine.get("last_reload"):
         line += f"  last {last['version']} {_ago(last['at'])} ago"
     if engine.get("last_error"):
