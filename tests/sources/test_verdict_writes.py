@@ -134,3 +134,36 @@ def test_verdict_write_refusals_keep_the_order_and_log_again_only_for_a_new_reas
         ("verdict.written", None),
     ]
     assert logs[-1]["verdicts"] == 2
+
+
+def test_verdict_refused_before_a_restart_is_written_by_the_next_daemon(
+    tmp_path, bucket: Bucket, monkeypatch
+):
+    """Kept in the state dir, not in memory: the store refused it, the daemon stopped, and the
+    one that starts next writes it (before: followers waited for ever)."""
+    refusing = Refusing(monkeypatch)
+    refusing.refuse.set()
+    first, _ = source(tmp_path, bucket)
+    first.record(verdicts.Verdict("step-3", "step-3", FP, False, "canary: NaN"))
+    assert first.fleet.write_queued() is False
+    first.close()
+    refusing.refuse.clear()
+    second, _ = source(tmp_path, bucket)
+    assert second.fleet.pending() == [verdicts.Verdict("step-3", "step-3", FP, False, "canary: NaN")]
+    assert second.fleet.write_queued() is True
+    assert bucket.listed() == [f"step-3/_verdicts/{FP}/canary-1.failed.json"]
+    third, _ = source(tmp_path, bucket)
+    assert third.fleet.pending() == [], "written once: not again after the next restart"
+
+
+def test_verdict_refused_before_a_sighup_is_taken_by_the_new_source(tmp_path, bucket: Bucket, monkeypatch):
+    refusing = Refusing(monkeypatch)
+    refusing.refuse.set()
+    old, _ = source(tmp_path / "old", bucket)
+    old.record(verdicts.Verdict("step-4", "step-4", FP, True, None))
+    assert old.fleet.write_queued() is False
+    new, _ = source(tmp_path / "new", bucket)  # a SIGHUP that moved the state dir
+    new.fleet.adopt(old.fleet.pending())
+    refusing.refuse.clear()
+    assert new.fleet.write_queued() is True
+    assert bucket.listed() == [f"step-4/_verdicts/{FP}/canary-1.passed.json"]

@@ -333,6 +333,8 @@ class Daemon:
                 return
             if self.remote:
                 self.remote.close()
+                if remote is not None:  # none is lost, whatever the new state dir
+                    remote.fleet.adopt(self.remote.fleet.pending())
             self.remote = remote
             self.watcher.close()
             self.watcher = watcher

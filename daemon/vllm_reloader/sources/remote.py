@@ -157,7 +157,7 @@ class RemoteSource:
 
     def record(self, verdict: verdicts.Verdict) -> None:
         """A canary host's verdict on a version, written by this thread (called from the loop)."""
-        self.fleet.queued.put(verdict)
+        self.fleet.add(verdict)
         self.wake.set()
 
     def _cleared(self, name: str, seen: Seen, waiting: dict[str, str]) -> bool:

@@ -22,13 +22,14 @@ from __future__ import annotations
 import queue
 import re
 import secrets
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from .. import __version__
 from ..config import RolloutConfig
@@ -37,6 +38,7 @@ from ..errors import SourceError
 from .objstore import Object, Store, Unlistable
 
 VERDICTS_DIR = "_verdicts"
+UNWRITTEN_NAME = "unwritten-verdicts.json"
 MAX_RECORD_BYTES = 64 << 10
 """A record is a few hundred bytes; a larger object there is not one of ours (not read)."""
 INSTANCE_NAME = "instance-id"
@@ -107,6 +109,9 @@ class Verdict:
     reason: str | None = None
     canary: bool = True
     """Whether its canary ran: a pass without one is not recorded (it proves only a load)."""
+
+
+_UNWRITTEN = TypeAdapter(list[Verdict])
 
 
 @dataclass(frozen=True)
@@ -187,9 +192,11 @@ class Fleet:
         self.store, self.rollout, self.log, self.state_dir = store, rollout, log, state_dir
         self.reader = Reader(store)
         self.queued: queue.SimpleQueue[Verdict] = queue.SimpleQueue()
-        """Verdicts the loop handed over (`RemoteSource.record`), not yet taken by this thread."""
-        self.unwritten: list[Verdict] = []
-        """Taken from `queued`, in order, not written yet: the store refused the first."""
+        """Verdicts handed over without being kept on disk (tests); `add` keeps them."""
+        self._lock = threading.Lock()
+        self.unwritten: list[Verdict] = self._load()
+        """Not written yet, in order (the store refused the first, or none was tried): kept in
+        the state dir (`unwritten-verdicts.json`), so a restart or a SIGHUP loses none."""
         self.write_problem: str | None = None
         """Why the store refused the last write (logged once per reason); None while writes work."""
         self._written_since = 0
@@ -205,6 +212,40 @@ class Fleet:
                 self.log.warning("verdict.instance_unsaved", reason=problem, instance=self._instance)
         return self._instance
 
+    def add(self, verdict: Verdict) -> None:
+        """From the loop: a verdict to write, kept on disk before it is tried."""
+        with self._lock:
+            self.unwritten.append(verdict)
+            self._save()
+
+    def pending(self) -> list[Verdict]:
+        with self._lock:
+            return list(self.unwritten)
+
+    def adopt(self, verdicts: Iterable[Verdict]) -> None:
+        """A SIGHUP's new source takes the old one's unwritten verdicts (its state dir may differ)."""
+        with self._lock:
+            self.unwritten += [v for v in verdicts if v not in self.unwritten]
+            self._save()
+
+    def _load(self) -> list[Verdict]:
+        try:
+            return list(_UNWRITTEN.validate_json((self.state_dir / UNWRITTEN_NAME).read_bytes()))
+        except FileNotFoundError:
+            return []
+        except (OSError, ValidationError) as exc:  # kept as it is: a later save replaces it
+            self.log.warning(
+                "verdict.queue_failed", reason=f"cannot read the unwritten verdicts: {exc}"[:300]
+            )
+            return []
+
+    def _save(self) -> None:
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            replace_atomically(self.state_dir / UNWRITTEN_NAME, _UNWRITTEN.dump_json(self.unwritten))
+        except OSError as exc:  # they are still written from memory, unless the daemon stops first
+            self.log.warning("verdict.queue_failed", reason=f"cannot keep the unwritten verdicts: {exc}")
+
     def write_queued(self, **fields: Any) -> bool:
         """Write every queued verdict, in order; whether none is left. One the store refuses
         stays queued, with those behind it, for the next call. A refusal is the writes' own
@@ -213,17 +254,18 @@ class Fleet:
         then one `verdict.written` once the store took every one of them."""
         while True:
             try:
-                self.unwritten.append(self.queued.get_nowait())
+                self.add(self.queued.get_nowait())
             except queue.Empty:
                 break
-        while self.unwritten:
-            v = self.unwritten[0]
+        while (v := next(iter(self.pending()), None)) is not None:
             try:
                 self._write(v)
             except SourceError as exc:
                 self._refused(v, str(exc), **fields)
                 return False
-            self.unwritten.pop(0)
+            with self._lock:
+                self.unwritten.remove(v)
+                self._save()
             self._written_since += 1
         if self.write_problem is not None:
             self.log.info("verdict.written", verdicts=self._written_since, previous_reason=self.write_problem)
