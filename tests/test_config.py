@@ -83,15 +83,15 @@ def with_key_file(tmp_path, content: str, mode: int = 0o600) -> str:
 
 
 def test_config_reads_api_key_from_its_file_before_the_environment(tmp_path):
-    cfg = config.parse(with_key_file(tmp_path, "file-key\n"), environ={"VLLM_API_KEY": "env-key"})
+    cfg = config.parse(with_key_file(tmp_path, "file-key\n"), environ={"VLLM_API_KEY": "env-key-1"})
     assert cfg.engine.api_key is not None
     assert cfg.engine.api_key.get_secret_value() == "file-key"
     assert "file-key" not in repr(cfg) and "file-key" not in str(cfg.model_dump())
 
 
 def test_config_reads_api_key_from_vllm_api_key_without_a_file():
-    cfg = config.parse(MINIMAL, environ={"VLLM_API_KEY": "env-key"})
-    assert cfg.engine.api_key is not None and cfg.engine.api_key.get_secret_value() == "env-key"
+    cfg = config.parse(MINIMAL, environ={"VLLM_API_KEY": "env-key-1"})
+    assert cfg.engine.api_key is not None and cfg.engine.api_key.get_secret_value() == "env-key-1"
     assert config.parse(MINIMAL, environ={}).engine.api_key is None
 
 
@@ -125,3 +125,11 @@ def test_config_missing_api_key_file_names_it(tmp_path):
     text = MINIMAL.replace("[state]", f'api_key_file = "{tmp_path / "absent"}"\n[state]')
     with pytest.raises(ConfigError, match=r"engine.api_key_file: .*absent: cannot read: No such file"):
         config.parse(text, environ={})
+
+
+def test_config_refuses_an_api_key_too_short_to_redact_from_the_log(tmp_path):
+    """Every log line has the key's value removed: a one-letter key would take letters out of
+    every event name and path."""
+    with pytest.raises(ConfigError, match="shorter than 8 characters") as refused:
+        config.parse(MINIMAL, environ={"VLLM_API_KEY": "a"})
+    assert "'a'" not in str(refused.value)

@@ -361,9 +361,14 @@ def _read_api_key(path: Path, origin: str) -> str:
     return key
 
 
+MIN_KEY_CHARS = 8
+
+
 def _check_printable(key: str, where: str) -> None:
     """An HTTP header takes printable ASCII only; the library refusing anything else quotes
     the whole header, key included, in its error. Named by where it came from, never shown."""
+    if 0 < len(key) < MIN_KEY_CHARS:  # redacted from every log line: a short one would mangle them
+        raise ConfigError(f"{where}: the key is shorter than {MIN_KEY_CHARS} characters; use a longer one")
     for char in key:
         if not " " <= char <= "~":
             kind = (

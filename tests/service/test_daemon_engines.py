@@ -237,3 +237,32 @@ def test_follower_whose_canary_fails_rejects_the_version_for_the_host_and_every_
     assert first.version == second.version == "step-1"
     loads = [c for c in second.calls if c == f"reload:{root / 'step-2'}"]
     assert len(loads) == 1, "never loaded again on the follower"
+
+
+def test_version_rejected_after_a_follower_canary_failure_is_left_after_a_restart(
+    start, root, tmp_path, make_checkpoint
+):
+    """The daemon restarted while engines still served a version the host had rejected (its
+    rollback under way): what the state file says was rejected is recalled again."""
+    from vllm_reloader.checkpoint import gate
+    from vllm_reloader.service import state
+
+    first, second = two_engines(root, make_checkpoint)
+    bad = make_checkpoint("step-2", step=2, root=root, seed=2)
+    verdict = gate.check(bad, serving=None)
+    served = state.Loaded(
+        name="step-2", version="step-2", path=str(bad), since=1.0, step=2,
+        files=dict(verdict.files), fingerprint=verdict.fingerprint,
+    )  # fmt: skip
+    good = state.Loaded(name="step-1", version="step-1", path=str(root / "step-1"), since=0.5, step=1)
+    rejection = state.Rejection(
+        version="step-2", reason="canary: NaN", fingerprint=verdict.fingerprint, at=1.0
+    )
+    state.save(tmp_path / "state", state.State(serving=served, good=(good,), rejected={"step-2": rejection}))
+    for engine in (first, second):
+        engine.version, engine.loaded = "step-2", str(bad)
+    running = start(first, followers=[second])
+    for url in (ENGINE_URL, follower_url(0)):
+        back = running.wait_for("reload.rolled_back", engine=url)
+        assert back["cause"] == "rejected" and back["to_version"] == "step-1"
+    assert first.version == second.version == "step-1"

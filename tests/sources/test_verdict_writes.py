@@ -4,6 +4,7 @@ the store takes it (moto on loopback, the object-store thread's own loop)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -167,3 +168,30 @@ def test_verdict_refused_before_a_sighup_is_taken_by_the_new_source(tmp_path, bu
     refusing.refuse.clear()
     assert new.fleet.write_queued() is True
     assert bucket.listed() == [f"step-4/_verdicts/{FP}/canary-1.passed.json"]
+
+
+def test_verdict_whose_reason_quotes_a_huge_hostile_name_is_written_cut_not_a_crash(tmp_path, bucket: Bucket):
+    """A gate reason may quote a writer's tensor name of any length: the record keeps the first
+    4096 characters (before: a validation error killed the object-store thread at every start)."""
+    fleet_source, _ = source(tmp_path, bucket)
+    fleet_source.record(verdicts.Verdict("step-6", "step-6", FP, False, "unreadable tensor " + "t" * 5000))
+    assert fleet_source.fleet.write_queued() is True
+    assert fleet_source.fleet.pending() == []
+    key = f"step-6/_verdicts/{FP}/canary-1.failed.json"
+    body = bucket.client.get_object(Bucket=bucket.name, Key=f"runs/{key}")["Body"].read()
+    assert len(json.loads(body)["reason"]) == 4096
+
+
+def test_verdict_source_replaced_by_a_sighup_writes_nothing_more(tmp_path, bucket: Bucket, monkeypatch):
+    refusing = Refusing(monkeypatch)
+    refusing.refuse.set()
+    old, _ = source(tmp_path, bucket)
+    old.record(verdicts.Verdict("step-7", "step-7", FP, True, None))
+    assert old.fleet.write_queued() is False
+    handed = old.fleet.detach()
+    refusing.refuse.clear()
+    assert old.fleet.write_queued() is True and bucket.listed() == [], "a stuck old thread writes nothing"
+    new, _ = source(tmp_path, bucket)
+    new.fleet.adopt(handed)
+    assert new.fleet.write_queued() is True
+    assert bucket.listed() == [f"step-7/_verdicts/{FP}/canary-1.passed.json"]

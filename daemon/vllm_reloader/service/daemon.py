@@ -322,11 +322,15 @@ class Daemon:
         if new.log != old.log:
             log.configure(new.log.level, new.log.format, priority_prefix=new.log.priority_prefix)
         if new.source != old.source or new.state != old.state or new.rollout != old.rollout:
-            try:  # every new part built before any old one is closed: a bad path keeps the old
+            remote = watcher = None
+            try:  # every new part built (the watcher started) before any old one is closed
                 remote = self._make_remote(new)
                 _make_root(new)
                 watcher = self._make_watcher(new)
+                watcher.start()  # inotify watches are made here: a limit or a permission fails now
             except (ConfigError, OSError) as exc:
+                if watcher is not None:
+                    watcher.close()
                 reason = str(exc) if isinstance(exc, ConfigError) else f"source: {exc.strerror or exc}"
                 self.log.error("config.invalid", reason=reason, kept="previous config")
                 self.notifier.ready(status.line(self.snapshot()))
@@ -334,11 +338,10 @@ class Daemon:
             if self.remote:
                 self.remote.close()
                 if remote is not None:  # none is lost, whatever the new state dir
-                    remote.fleet.adopt(self.remote.fleet.pending())
+                    remote.fleet.adopt(self.remote.fleet.detach())
             self.remote = remote
             self.watcher.close()
             self.watcher = watcher
-            self.watcher.start()
             if self.remote:
                 self.remote.start()
         self.config = new

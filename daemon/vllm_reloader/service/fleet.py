@@ -10,7 +10,7 @@ and every engine serving it loads its rollback target, as room allows.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 from ..checkpoint import order
@@ -102,10 +102,22 @@ class Recalls:
         now: float,
         target: Callable[[Engine, str], Loaded | None],
         load: Callable[[Engine, Loaded], None],
+        rejected: Mapping[str, Collection[str]],
     ) -> None:
         """Each idle engine serving a recalled content loads its rollback target (`target`,
-        skipping what it serves), as `room` allows; one with none left keeps serving it."""
+        skipping what it serves), as `room` allows; one with none left keeps serving it. A
+        content this host rejected is recalled too (a restart forgets recalls under way)."""
         engines = list(engines)
+        for engine in engines:
+            loaded = engine.served.serving
+            if loaded is not None and loaded.fingerprint and not self.covers(loaded):
+                name = order.base_name(loaded.name)
+                if loaded.fingerprint in rejected.get(name, ()):
+                    self.failed[(name, loaded.fingerprint)] = (
+                        loaded.version,
+                        "rejected on this host",
+                        "rejected",
+                    )
         if not self.failed:
             return
         self._forget(engines)

@@ -144,7 +144,8 @@ class Reloader:
         self.catalog.refresh_dirty()
         for engine in self.engines:
             engine.tend(now, self.config.engine, self._reconcile)
-        self.recalls.tend(self.engines, self._room(), now, self._rollback_target, self._restore)
+        rejected = self.catalog.rejected_fingerprints()
+        self.recalls.tend(self.engines, self._room(), now, self._rollback_target, self._restore, rejected)
         self._advance()
         self._converge(now)
 
@@ -180,9 +181,9 @@ class Reloader:
         if engine is not self.canary:
             decision = engine.as_follower(decision, self.config.engine)
             if (r := decision.reject) is not None:  # its canary failed: every engine on it goes back
-                self.recalls.add(
-                    order.base_name(r.name), r.version, r.fingerprint, r.reason, self.engines, "canary"
-                )
+                base = order.base_name(r.name)
+                self.recalls.add(base, r.version, r.fingerprint, r.reason, self.engines, "canary")
+                self._tell(Verdict(base, r.version, r.fingerprint, False, r.reason))  # and the fleet
         elif outcome.job.candidate.fingerprint:  # not a restore
             self._tell(fleet.judged(outcome.job, decision))
         self._apply(engine, decision)

@@ -194,6 +194,7 @@ class Fleet:
         self.queued: queue.SimpleQueue[Verdict] = queue.SimpleQueue()
         """Verdicts handed over without being kept on disk (tests); `add` keeps them."""
         self._lock = threading.Lock()
+        self._detached = False
         self.unwritten: list[Verdict] = self._load()
         """Not written yet, in order (the store refused the first, or none was tried): kept in
         the state dir (`unwritten-verdicts.json`), so a restart or a SIGHUP loses none."""
@@ -222,6 +223,13 @@ class Fleet:
         with self._lock:
             return list(self.unwritten)
 
+    def detach(self) -> list[Verdict]:
+        """A SIGHUP replaced this source: what it has not written, for the new one; from now on it
+        writes neither records nor the file (its thread may still be stuck in a call)."""
+        with self._lock:
+            self._detached = True
+            return list(self.unwritten)
+
     def adopt(self, verdicts: Iterable[Verdict]) -> None:
         """A SIGHUP's new source takes the old one's unwritten verdicts (its state dir may differ)."""
         with self._lock:
@@ -240,6 +248,8 @@ class Fleet:
             return []
 
     def _save(self) -> None:
+        if self._detached:
+            return
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
             replace_atomically(self.state_dir / UNWRITTEN_NAME, _UNWRITTEN.dump_json(self.unwritten))
@@ -257,12 +267,15 @@ class Fleet:
                 self.add(self.queued.get_nowait())
             except queue.Empty:
                 break
-        while (v := next(iter(self.pending()), None)) is not None:
+        while not self._detached and (v := next(iter(self.pending()), None)) is not None:
             try:
                 self._write(v)
             except SourceError as exc:
                 self._refused(v, str(exc), **fields)
                 return False
+            except Exception as exc:  # a verdict no retry can write: dropped, never a crash loop
+                why = f"cannot be written: {type(exc).__name__}: {exc}"[:500]
+                self.log.error("verdict.write_failed", reason=why, name=v.name, dropped=True)
             with self._lock:
                 self.unwritten.remove(v)
                 self._save()
@@ -297,13 +310,13 @@ class Fleet:
             reason = "canary disabled: a pass without a canary is not recorded; followers count none"
             self.log.warning("verdict.not_recorded", reason=reason, **fields)
             return
-        record = Record(
-            name=v.name,
-            version=v.version,
-            fingerprint=v.fingerprint,
+        record = Record(  # cut to the record's bounds: a reason may quote a hostile writer's bytes
+            name=v.name[:1024],
+            version=v.version[:1024],
+            fingerprint=v.fingerprint[:128],
             host=host,
             verdict=verdict,
-            reason=v.reason,
+            reason=v.reason[:4096] if v.reason else None,
             at=time.time(),
             daemon_version=__version__,
             instance=self.instance,
