@@ -19,6 +19,7 @@ import structlog
 from safetensors.numpy import save_file
 
 from tests.support.checkpoints import TENSORS, MakeCheckpoint, write_manifest
+from tests.support.daemon_fixtures import events_in, wait_for_event
 from tests.support.fake_engine import FakeEngine
 from tests.support.store_fixtures import Bucket
 from vllm_reloader import config
@@ -140,15 +141,10 @@ class Fleet:
         return directory
 
     def events(self, event: str, /, **fields: object) -> list[dict]:
-        return [e for e in list(self.logs) if e["event"] == event and fields.items() <= e.items()]
+        return events_in(self.logs, event, **fields)
 
     def wait_for(self, event: str, /, timeout: float = 15.0, **fields: object) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if found := self.events(event, **fields):
-                return found[-1]
-            time.sleep(0.02)
-        raise AssertionError(f"no {event} {fields} in {[e['event'] for e in self.logs]}")
+        return wait_for_event(self.logs, event, timeout, **fields)
 
     def records(self, name: str) -> list[dict[str, Any]]:
         """Every object under a `_verdicts/` of `name` (or of a directory named after it), as JSON,

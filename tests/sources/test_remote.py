@@ -13,6 +13,7 @@ import pytest
 import structlog
 
 from tests.support.checkpoints import MakeCheckpoint, hf_index, write_manifest, write_weights
+from tests.support.daemon_fixtures import wait_for_event
 from tests.support.fake_engine import FakeEngine, FakeEngineServer
 from tests.support.store_fixtures import Bucket, new_bucket
 from vllm_reloader import config
@@ -282,12 +283,7 @@ def remote_daemon(
 
 
 def wait_for(logs: list[dict], event: str, timeout: float = 15.0, **fields: object) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if found := [e for e in list(logs) if e["event"] == event and fields.items() <= e.items()]:
-            return found[-1]
-        time.sleep(0.02)
-    raise AssertionError(f"no {event} {fields} in {[e['event'] for e in logs]}")
+    return wait_for_event(logs, event, timeout, **fields)
 
 
 def test_daemon_loads_from_the_bucket_and_keeps_only_what_it_may_need(

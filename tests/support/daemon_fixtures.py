@@ -26,15 +26,25 @@ class Running:
         self.daemon, self.logs = daemon, logs
 
     def events(self, event: str, /, **fields: object) -> list[dict]:
-        return [e for e in list(self.logs) if e["event"] == event and fields.items() <= e.items()]
+        return events_in(self.logs, event, **fields)
 
     def wait_for(self, event: str, /, timeout: float = 10.0, **fields: object) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if found := self.events(event, **fields):
-                return found[-1]
-            time.sleep(0.02)
-        raise AssertionError(f"no {event} {fields} in {[e['event'] for e in self.logs]}")
+        return wait_for_event(self.logs, event, timeout, **fields)
+
+
+def events_in(logs: list[dict], event: str, /, **fields: object) -> list[dict]:
+    """The captured events named `event` that carry `fields`."""
+    return [e for e in list(logs) if e["event"] == event and fields.items() <= e.items()]
+
+
+def wait_for_event(logs: list[dict], event: str, timeout: float = 10.0, /, **fields: object) -> dict:
+    """The newest such event once one was logged; AssertionError (naming what was) after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if found := events_in(logs, event, **fields):
+            return found[-1]
+        time.sleep(0.02)
+    raise AssertionError(f"no {event} {fields} in {[e['event'] for e in logs]}")
 
 
 @pytest.fixture
