@@ -69,6 +69,7 @@ def _daemon(base: Path, runs: int, polling: bool, interval: float) -> list[float
 
     from vllm_reloader import config
     from vllm_reloader.service.daemon import Daemon
+    from vllm_reloader.service.jobs import Ask, Job, WarmUp
 
     root = base / "root"
     write_checkpoint(root / "step-0", shards=1, total_bytes=4096)
@@ -83,10 +84,13 @@ def _daemon(base: Path, runs: int, polling: bool, interval: float) -> list[float
     daemon = Daemon(cfg, client=engine.client())
     submitted: queue.SimpleQueue[tuple[str, float]] = queue.SimpleQueue()
     submit = daemon.reloader.canary.worker.submit
-    daemon.reloader.canary.worker.submit = lambda job: (  # type: ignore[method-assign]
-        submitted.put((job.candidate.name, time.perf_counter())),
-        submit(job),
-    )[-1]
+
+    def recorded(job: Job | WarmUp | Ask) -> None:
+        if isinstance(job, Job):  # a reload (the engine's thread also takes the loop's questions)
+            submitted.put((job.candidate.name, time.perf_counter()))
+        submit(job)
+
+    daemon.reloader.canary.worker.submit = recorded  # type: ignore[method-assign]
     thread = threading.Thread(target=daemon.run, daemon=True)
     thread.start()
     latencies = []

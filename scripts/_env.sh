@@ -32,7 +32,10 @@ install_with_engine() {
 
 # install_xla: torch_xla 2.9 with the torch it pins (a CPU build from TORCH_INDEX_URL where it
 # is reachable, else PyPI's), for the extension's XLA test on torch_xla's CPU device.
+# PyPI has torch 2.9.0 for x86_64 only as its CUDA build, whose import needs the nvidia-*
+# wheels: nothing smaller works there. --no-cache-dir keeps pip from keeping a second copy.
 install_xla() {
-  venv_pip "$XLA_VENV" install -q --retries 0 --extra-index-url "$TORCH_INDEX_URL" "torch==2.9.0" "torch_xla==2.9.0"
+  venv_pip "$XLA_VENV" install -q --no-cache-dir --retries 0 --extra-index-url "$TORCH_INDEX_URL" \
+    "torch==2.9.0" "torch_xla==2.9.0"
   venv_pip "$XLA_VENV" install -q -e ".[test]"
 }

@@ -121,7 +121,8 @@ class EngineConfig(_Section):
     """`sleep` wraps the reload in sleep level 2 / wake_up (engines with --enable-sleep-mode);
     `auto` uses it when `/server_info` says sleep mode is on."""
     timeout: float = Field(10.0, gt=0)
-    """Per-call timeout for the quick calls (pause, resume, reset, version, info)."""
+    """Deadline for each quick call (pause, resume, reset, version, info): the whole exchange,
+    however slowly an engine answers, not each read; `pause_timeout`/`reload_timeout` alike."""
     pause_timeout: float = Field(120.0, gt=0)
     """`wait` mode waits for in-flight requests, so pausing may take longer."""
     reload_timeout: float = Field(600.0, gt=0)

@@ -129,3 +129,22 @@ def test_verified_early_read_of_an_odd_file_leaves_nothing(tmp_path: Path, odd: 
     cache = verified.Cache()
     scan.prehash(path, cache)  # neither raises nor blocks
     assert cache._done == {}
+
+
+def test_verified_prehash_of_a_shard_listing_too_many_tensors_parses_no_header(
+    make_checkpoint: MakeCheckpoint, monkeypatch
+):
+    """A header past `[gate] max_tensors` is not parsed on the reading threads (its digest is
+    kept; the gate refuses it when the manifest lands)."""
+    directory = make_checkpoint("step-1")
+    shard = directory / "model.safetensors"
+    settle_tick()
+    tensors = len(files.tensors_of(shard))
+    limited, unlimited = verified.Cache(), verified.Cache()
+    scan.prehash(shard, limited, max_tensors=tensors - 1)
+    scan.prehash(shard, unlimited, max_tensors=tensors)
+    found = files.identity(os.stat(shard))
+    kept, whole = limited.get(found, wait=0), unlimited.get(found, wait=0)
+    assert kept is not None and whole is not None
+    assert (kept.scanned, whole.scanned) == (False, True)
+    assert kept.blake3 == whole.blake3 != ""

@@ -2,11 +2,11 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from tests.support.fake_engine import FakeEngine, error
+from tests.support.fake_engine import FakeEngine, FakeEngineServer, error
 from vllm_reloader.config import EngineConfig
 from vllm_reloader.engine.capabilities import Capabilities
 from vllm_reloader.engine.client import EngineClient
-from vllm_reloader.errors import EngineCallFailed
+from vllm_reloader.errors import EngineCallFailed, EngineUnavailable
 
 KEY = "sk-test-0123456789"
 
@@ -73,3 +73,21 @@ def test_client_capabilities_raises_on_an_engine_error_other_than_404():
     engine.fail["/version"] = error(500)
     with pytest.raises(EngineCallFailed):
         engine.client().capabilities()
+
+
+def test_client_ends_an_answer_trickling_past_its_deadline_though_every_read_is_quick():
+    """httpx's timeout bounds each read: an engine sending a byte every 0.1 s would hold a call
+    with timeout 1 s for as long as its answer lasts (here ~5 s). The whole exchange is bounded."""
+    engine = FakeEngine()
+    server = FakeEngineServer(engine)
+    server.slow["/weight_info"] = 0.1
+    try:
+        client = EngineClient(EngineConfig(url=server.url, timeout=1.0))
+        with pytest.raises(EngineUnavailable, match=r"/weight_info: no whole answer within 1 s"):
+            client.weight_version()
+        assert server.cut.wait(5), "the client hung up on the answer"
+        assert not server.trickled.is_set(), "before the engine had sent all of it"
+        server.slow.clear()
+        assert client.weight_version() == "default", "the next call has a connection of its own"
+    finally:
+        server.close()

@@ -13,7 +13,7 @@ from tests.support.checkpoints import TENSORS
 from tests.support.daemon_fixtures import ENGINE_URL, follower_url
 from tests.support.engine_fixtures import DaemonProcess, daemon_config
 from tests.support.fake_engine import FakeEngine, FakeEngineServer, error
-from vllm_reloader.service import status
+from vllm_reloader.service import control, status
 
 
 def two_engines(root, make_checkpoint) -> tuple[FakeEngine, FakeEngine]:  # type: ignore[no-untyped-def]
@@ -266,3 +266,27 @@ def test_version_rejected_after_a_follower_canary_failure_is_left_after_a_restar
         back = running.wait_for("reload.rolled_back", engine=url)
         assert back["cause"] == "rejected" and back["to_version"] == "step-1"
     assert first.version == second.version == "step-1"
+
+
+def test_engines_a_follower_trickling_its_answers_holds_neither_the_canary_engine_nor_status(
+    start, root, make_checkpoint, tmp_path
+):
+    """Measured before: a follower trickling `/weight_info` for 8 s (timeout 1 s) held `status`
+    and the canary engine's next reload for 7.8 s. Its calls now run on its own thread, within a
+    deadline: the loop goes on while the follower is still mid-answer."""
+    first, second = two_engines(root, make_checkpoint)
+    follower = FakeEngineServer(second)
+    try:
+        running = start(first, followers=[follower.url], timeout=1.0, engine_check_interval=0.2)
+        running.wait_for("engine.reconciled", engine=follower.url)
+        follower.slow["/weight_info"] = 0.3  # its ~29-byte answer lasts ~9 s
+        assert follower.trickling.wait(5), "the follower's health check is under way"
+        make_checkpoint("step-2", step=2, root=root, seed=2)
+        running.wait_for("reload.succeeded", version="step-2", engine=ENGINE_URL)
+        answer = control.call(running.daemon.config.control_socket, "status")
+        assert answer["ok"] and [e["url"] for e in answer["engines"]] == [ENGINE_URL, follower.url]
+        assert not follower.trickled.is_set(), "all of this while the follower was still answering"
+        down = running.wait_for("engine.unreachable", engine=follower.url)
+        assert "/weight_info: no whole answer within 1 s" in str(down["reason"])
+    finally:
+        follower.close()

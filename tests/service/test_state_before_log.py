@@ -42,3 +42,21 @@ def test_a_rejection_is_in_the_state_file_when_its_lines_are_logged(
     for name, saved in at_line.items():
         assert "step-2" in saved["rejected"], f"{name} was logged before the state file held the rejection"
         assert saved["serving"]["version"] == "step-1", name
+
+
+def test_what_a_reconciled_engine_serves_is_in_the_state_file_when_engine_reconciled_is_logged(
+    start, root, tmp_path, make_checkpoint
+):
+    at_line: list[dict] = []
+
+    def read_state_file(_logger: object, _method: str, event: dict) -> dict:
+        if event["event"] == "engine.reconciled":
+            path = tmp_path / "state" / state.STATE_NAME
+            at_line.append(json.loads(path.read_text()) if path.exists() else {})
+        return event
+
+    structlog.configure(processors=[read_state_file, *structlog.get_config()["processors"]])
+    make_checkpoint("step-1", step=1, root=root)
+    running = start(FakeEngine(startup=str(root / "step-1")))
+    running.wait_for("engine.reconciled")
+    assert at_line[0].get("serving", {}).get("version") == "step-1"

@@ -16,7 +16,7 @@ from tests.support.store_fixtures import Bucket
 from vllm_reloader import config
 from vllm_reloader.checkpoint import order
 from vllm_reloader.errors import SourceError
-from vllm_reloader.sources import verdicts
+from vllm_reloader.sources import unwritten, verdicts
 from vllm_reloader.sources.objstore import Store
 from vllm_reloader.sources.remote import RemoteSource
 
@@ -195,3 +195,53 @@ def test_verdict_source_replaced_by_a_sighup_writes_nothing_more(tmp_path, bucke
     new.fleet.adopt(handed)
     assert new.fleet.write_queued() is True
     assert bucket.listed() == [f"step-7/_verdicts/{FP}/canary-1.passed.json"]
+
+
+def test_verdict_file_unreadable_at_start_is_never_replaced_and_its_verdicts_are_written_once_read(
+    tmp_path, bucket: Bucket, monkeypatch
+):
+    """An EIO on `unwritten-verdicts.json` at start is not an empty queue: the file keeps what it
+    holds while it cannot be read, and its verdicts are written, first, once it can."""
+    refusing = Refusing(monkeypatch)
+    refusing.refuse.set()
+    first, _ = source(tmp_path, bucket)
+    first.record(verdicts.Verdict("step-3", "step-3", FP, False, "canary: NaN"))
+    assert first.fleet.write_queued() is False
+    first.close()
+    kept = tmp_path / "state" / unwritten.NAME
+    held = kept.read_bytes()
+    failing = threading.Event()
+    failing.set()
+    real = Path.read_bytes
+
+    def read_bytes(path: Path) -> bytes:
+        if path == kept and failing.is_set():
+            raise OSError(5, "Input/output error")
+        return real(path)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    with structlog.testing.capture_logs() as logs:
+        second, _ = source(tmp_path, bucket)
+        second.record(verdicts.Verdict("step-4", "step-4", "2" * 64, True, None))
+        assert second.fleet.write_queued() is False
+    assert [e["event"] for e in logs if e["event"] == "verdict.queue_failed"] == ["verdict.queue_failed"]
+    assert real(kept) == held, "not replaced while it could not be read"
+    failing.clear()
+    refusing.refuse.clear()
+    assert second.fleet.write_queued() is True
+    assert bucket.listed() == [
+        f"step-3/_verdicts/{FP}/canary-1.failed.json",
+        f"step-4/_verdicts/{'2' * 64}/canary-1.passed.json",
+    ]
+    assert second.fleet.pending() == [] and json.loads(real(kept)) == []
+
+
+def test_verdict_file_that_is_not_a_list_of_verdicts_is_set_aside_not_lost(tmp_path, bucket: Bucket):
+    kept = tmp_path / "state" / unwritten.NAME
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(b'[{"name": 1}]')
+    with structlog.testing.capture_logs() as logs:
+        found, _ = source(tmp_path, bucket)
+    assert found.fleet.pending() == []
+    assert (kept.parent / f"{unwritten.NAME}.corrupt").read_bytes() == b'[{"name": 1}]'
+    assert "set aside" in next(e["reason"] for e in logs if e["event"] == "verdict.queue_failed")

@@ -62,12 +62,17 @@ def start(tmp_path: Path, root: Path) -> Iterator[Callable[..., Running]]:
         engine_check_interval: float = 5.0,
         canary: config.CanaryConfig | None = None,
         baseline: Path | None = None,
-        followers: Sequence[FakeEngine] = (),
+        followers: Sequence[FakeEngine | str] = (),
         max_unavailable: int = 1,
+        timeout: float = 10.0,
         **source: object,
     ) -> Running:
-        """`followers`: more engines on the host, at `follower_url(i)`."""
-        urls = [ENGINE_URL, *(follower_url(i) for i in range(len(followers)))]
+        """`followers`: more engines on the host, at `follower_url(i)`; a URL (a real socket, such
+        as `FakeEngineServer`'s) is reached by the daemon's own client."""
+        urls = [
+            ENGINE_URL,
+            *(f if isinstance(f, str) else follower_url(i) for i, f in enumerate(followers)),
+        ]
         cfg = config.Config(
             source=config.SourceConfig(path=root, pending_recheck_interval=0.05, **source),  # type: ignore[arg-type]
             engine=config.EngineConfig(
@@ -77,12 +82,17 @@ def start(tmp_path: Path, root: Path) -> Iterator[Callable[..., Running]]:
                 retry_max=0.2,
                 check_interval=engine_check_interval,
                 baseline=baseline,
+                timeout=timeout,
             ),
             state=config.StateConfig(dir=tmp_path / "state"),
             canary=canary or config.CanaryConfig(),
         )
         fakes = [engine, *followers]
-        clients = {url: fake.client(url, retry_initial=0.05) for url, fake in zip(urls, fakes, strict=True)}
+        clients = {
+            url: fake.client(url, retry_initial=0.05)
+            for url, fake in zip(urls, fakes, strict=True)
+            if not isinstance(fake, str)
+        }
         daemon = Daemon(cfg, clients=clients)
         thread = threading.Thread(target=daemon.run, daemon=True)
         threads.append((daemon, thread))

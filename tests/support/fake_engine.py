@@ -4,6 +4,8 @@ produce on demand. The real engine is what proves the whole works (test_e2e.py).
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -172,9 +174,12 @@ class FakeEngineServer:
 
     def __init__(self, engine: FakeEngine) -> None:
         import http.server
-        import threading
 
-        fake = engine
+        fake, server = engine, self
+        self.slow: dict[str, float] = {}
+        """path -> seconds between the bytes of its answer's body (a hung engine trickling)."""
+        self.trickling, self.trickled, self.cut = threading.Event(), threading.Event(), threading.Event()
+        """A slow answer began; one was sent whole; one was cut off by the client."""
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def _answer(self) -> None:
@@ -187,7 +192,20 @@ class FakeEngineServer:
                 self.send_header("content-type", "application/json")
                 self.send_header("content-length", str(len(response.content)))
                 self.end_headers()
-                self.wfile.write(response.content)
+                interval = server.slow.get(self.path.split("?")[0])
+                if interval is None:
+                    self.wfile.write(response.content)
+                    return
+                server.trickling.set()
+                try:  # a byte at a time: every read is quick, the whole answer is not
+                    for byte in response.content:
+                        self.wfile.write(bytes([byte]))
+                        self.wfile.flush()
+                        time.sleep(interval)
+                except OSError:
+                    server.cut.set()  # the client gave up before the answer ended
+                else:
+                    server.trickled.set()
 
             do_GET = do_POST = _answer
 

@@ -302,10 +302,12 @@ def read_header(
     return Header(8 + length, parse_header(file_name, read(8, 8 + length), 8 + length, max_tensors))
 
 
-def size_from_header(file_name: str, read: Callable[[int, int], bytes], available: int) -> int | None:
+def size_from_header(
+    file_name: str, read: Callable[[int, int], bytes], available: int, max_tensors: int | None = None
+) -> int | None:
     """The size a safetensors file has when whole, from its header; None while the header
-    is not all there yet. Raises `LayoutUnreadable`."""
-    found = read_header(file_name, read, available)
+    is not all there yet. Raises `LayoutUnreadable` (`TooManyTensors` past `max_tensors`)."""
+    found = read_header(file_name, read, available, max_tensors)
     return None if found is None else found.whole_size
 
 

@@ -287,10 +287,11 @@ def first_non_finite(path: Path, chunk: int = CHUNK) -> str | None:
     return result.tensor if result is not None else None
 
 
-def prehash(path: Path, cache: verified.Cache) -> None:
+def prehash(path: Path, cache: verified.Cache, max_tensors: int | None = None) -> None:
     """Read a shard a writer has just closed — digests and NaN scan — and keep the result by
     its identity, so the gate need not read it again once the manifest lands. Anything odd
-    (gone, not a regular file, changed while read) just leaves nothing in the cache."""
+    (gone, not a regular file, changed while read, a header past `max_tensors`: never all
+    parsed) just leaves nothing in the cache, or the bytes' digest alone."""
     try:
         fd = open_regular(path)
     except OSError:
@@ -305,7 +306,7 @@ def prehash(path: Path, cache: verified.Cache) -> None:
                 time.sleep(min(wait_ns, RACY_NS) / 1e9)
             started_ns = time.time_ns()
             try:
-                header: Header | None = header_in(fd, path.name)
+                header: Header | None = header_in(fd, path.name, max_tensors)
             except LayoutUnreadable:
                 header = None
             digest = blake3.blake3(max_threads=blake3.blake3.AUTO)

@@ -7,8 +7,12 @@ it is `swap.hot_swap`.
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import httpx
@@ -49,19 +53,37 @@ class EngineClient:
         key = config.api_key.get_secret_value() if config.api_key else None
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._http = httpx.Client(
-            base_url=self.url, timeout=config.timeout, transport=transport, headers=headers
+            base_url=self.url,
+            timeout=config.timeout,
+            transport=transport,
+            headers=headers,
+            # A connection of its own for every call, so `Deadline` can end it (calls are few).
+            limits=httpx.Limits(max_keepalive_connections=0),
         )
 
     def close(self) -> None:
         self._http.close()
 
+    def _exchange(self, method: str, path: str, limit: float, **kwargs: Any) -> httpx.Response:
+        """One request and its whole answer within `limit` seconds, or `EngineUnavailable`."""
+        with Deadline(limit) as deadline:
+            try:
+                return self._http.request(
+                    method, path, timeout=limit, extensions={"trace": deadline.trace}, **kwargs
+                )
+            except httpx.TimeoutException as exc:
+                raise EngineUnavailable(f"{path}: timed out", endpoint=path) from exc
+            except httpx.TransportError as exc:
+                if deadline.expired:
+                    raise EngineUnavailable(
+                        f"{path}: no whole answer within {limit:g} s", endpoint=path
+                    ) from exc
+                raise EngineUnavailable(f"{path}: {exc or type(exc).__name__}", endpoint=path) from exc
+            except httpx.HTTPError as exc:  # an answer httpx cannot decode
+                raise EngineCallFailed(f"{path}: {exc or type(exc).__name__}", endpoint=path) from exc
+
     def _call(self, method: str, path: str, *, timeout: float | None = None, **kwargs: Any) -> Any:
-        try:
-            response = self._http.request(method, path, timeout=timeout or self.config.timeout, **kwargs)
-        except httpx.TimeoutException as exc:
-            raise EngineUnavailable(f"{path}: timed out", endpoint=path) from exc
-        except httpx.TransportError as exc:
-            raise EngineUnavailable(f"{path}: {exc or type(exc).__name__}", endpoint=path) from exc
+        response = self._exchange(method, path, timeout or self.config.timeout, **kwargs)
         if response.status_code >= 400:
             raise EngineCallFailed(
                 f"{path}: HTTP {response.status_code}: {_error_text(response)}",
@@ -127,8 +149,8 @@ class EngineClient:
     def requests_in_flight(self) -> int | None:
         """Running + waiting requests, from the engine's Prometheus `/metrics`; None if unknown."""
         try:
-            response = self._http.get("/metrics", timeout=self.config.timeout)
-        except httpx.HTTPError:
+            response = self._exchange("GET", "/metrics", self.config.timeout)
+        except (EngineUnavailable, EngineCallFailed):
             return None
         total, found = 0.0, False
         for line in response.text.splitlines():
@@ -221,6 +243,50 @@ class EngineClient:
         except (AttributeError, TypeError, ValueError):
             top = []
         return values, top
+
+
+class Deadline:
+    """Ends an exchange still running after `seconds`, however slowly its bytes trickle in:
+    httpx's timeouts bound each read, not the call, so an engine answering a byte a second
+    would hold the caller for as long as it likes. At the deadline the call's socket is shut
+    down, which ends the read blocked on it (every call has a connection of its own)."""
+
+    CONNECTED = ("connection.connect_tcp.complete", "connection.connect_unix_socket.complete")
+
+    def __init__(self, seconds: float) -> None:
+        self.expired = False
+        self._socket: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> Deadline:
+        self._timer.start()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self._timer.cancel()
+
+    def trace(self, event: str, info: dict[str, Any]) -> None:
+        """httpcore's trace hook: learns the socket once connected."""
+        if event not in self.CONNECTED or info.get("return_value") is None:
+            return
+        with self._lock:
+            self._socket = info["return_value"].get_extra_info("socket")
+            if self.expired:
+                self._shut()
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            self._shut()
+
+    def _shut(self) -> None:
+        if self._socket is not None:
+            with contextlib.suppress(OSError):  # closed already: the exchange ended as it came
+                self._socket.shutdown(socket.SHUT_RDWR)
 
 
 def _error_text(response: httpx.Response) -> str:

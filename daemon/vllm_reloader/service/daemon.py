@@ -30,6 +30,7 @@ from ..sources.verdicts import Verdict
 from . import fleet, status
 from .control import ControlServer, Request
 from .messages import (
+    Answered,
     ControlRequest,
     Downloaded,
     FileChanged,
@@ -253,7 +254,7 @@ class Daemon:
             case FileChanged(name):
                 self.reloader.changed(name)
             case ShardWritten(path):  # read it now, beside the writer, not once the manifest lands
-                self.reloader.gater.prehash(Path(path))
+                self.reloader.gater.prehash(Path(path), self.config.gate.max_tensors)
             case Downloaded(name):  # gate it now, not at the watcher's pace
                 self.reloader.changed(name)
                 self.reloader.prune_cache()
@@ -263,6 +264,8 @@ class Daemon:
                 self.reloader.recalled(name, version, fingerprint, reason)
             case GateFinished():  # stopping: nothing new is loaded
                 self.reloader.gated(message, act=self.stopping_since is None)
+            case Answered() as answer:
+                self.reloader.engines.answered(answer)
             case ReloadFinished(outcome):
                 self.reloader.finished(outcome)
             case Reverified():

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..checkpoint import order
 from ..sources.verdicts import Verdict
-from .engines import Engine
+from .engine import Engine
 from .jobs import Job
 from .outcomes import Decision, Event
 from .state import Loaded
@@ -125,7 +125,7 @@ class Recalls:
             serving, served = engine.served.serving, engine.served
             if room <= 0:
                 return
-            if serving is None or not self.covers(serving) or engine.in_flight is not None:
+            if serving is None or not self.covers(serving) or not engine.idle:
                 continue
             content = (engine.url, order.base_name(serving.name), serving.fingerprint)
             if not served.reconciled or now < engine.retry_at_follow or content in self.stuck:

@@ -98,9 +98,9 @@ class Gater:
         self._jobs.put(_Job(gating, serving, options))
         return gating
 
-    def prehash(self, shard: Path) -> None:
+    def prehash(self, shard: Path, max_tensors: int | None = None) -> None:
         """A writer closed `shard`: read it now, on the reading threads, beside the writing."""
-        self._pool.submit(scan.prehash, shard, self.cache)
+        self._pool.submit(scan.prehash, shard, self.cache, max_tensors)
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:

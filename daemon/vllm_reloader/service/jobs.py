@@ -1,9 +1,12 @@
-"""The reload thread: runs one `hot_swap` at a time, then the canary.
+"""An engine's own thread: every call to the engine runs here, one at a time — reloads
+(`hot_swap`, then the canary), warm-ups, and the loop's quick questions (`Ask`: health
+checks, reconciles, resumes).
 
-A reload can take minutes on a real model. Running it here keeps the main loop free to
-take events, answer the control socket and ping systemd's watchdog; the outcome comes back
-to the loop as a message, like everything else. A canary that fails loads the fallback
-(the last good checkpoint) back at once, here, before the loop hears of it.
+A reload can take minutes on a real model and a hung engine can hold any call until its
+deadline. Running them here keeps the main loop free to take events, answer the control
+socket, drive the other engines and ping systemd's watchdog; each result comes back to the
+loop as a message, like everything else. A canary that fails loads the fallback (the last
+good checkpoint) back at once, here, before the loop hears of it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from ..config import CanaryConfig
 from ..engine import canary
 from ..engine.client import EngineClient
 from ..engine.swap import Target, hot_swap
-from ..errors import EngineError, ReloadFailed
+from ..errors import EngineCallFailed, EngineError, EngineNotSetUp, ReloaderError, ReloadFailed
 from .state import Loaded
 
 FLUSH_PROBES = 5
@@ -82,10 +85,30 @@ class WarmedUp:
     engine: str = ""
 
 
+@dataclass(frozen=True, eq=False)
+class Ask:
+    """Engine calls the loop needs answered (`call` runs here with the engine's client); the
+    answer comes back as `Answered`, and the loop goes on from there."""
+
+    client: EngineClient
+    call: Callable[[EngineClient], object]
+
+
+@dataclass(frozen=True)
+class Answered:
+    ask: Ask
+    value: object = None
+    error: ReloaderError | None = None
+    """An `EngineError`, or `EngineNotSetUp` (no retry fixes it: the daemon exits 2)."""
+
+
+Report = Outcome | WarmedUp | Answered
+
+
 class ReloadWorker:
-    def __init__(self, post: Callable[[Outcome | WarmedUp], None], name: str = "reload-worker") -> None:
+    def __init__(self, post: Callable[[Report], None], name: str = "reload-worker") -> None:
         self._post = post
-        self._jobs: queue.SimpleQueue[Job | WarmUp | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Job | WarmUp | Ask | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -94,11 +117,17 @@ class ReloadWorker:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, job: Job | WarmUp) -> None:
+    def submit(self, job: Job | WarmUp | Ask) -> None:
         self._jobs.put(job)
 
-    def close(self, timeout: float = 5.0) -> None:
+    def stop(self) -> None:
+        """Take no more work: the thread ends after what it runs now."""
         self._jobs.put(None)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop, and wait for the call under way at most `timeout` seconds (each engine call
+        has its own deadline; a daemon thread left behind dies with the process)."""
+        self.stop()
         self._thread.join(timeout)
 
     def _run(self) -> None:
@@ -107,6 +136,9 @@ class ReloadWorker:
             if isinstance(job, WarmUp):
                 problem = canary.probe(job.client, job.canary)
                 self._post(WarmedUp(time.perf_counter() - started, problem, job.client.url))
+                continue
+            if isinstance(job, Ask):
+                self._post(_answer(job))
                 continue
             try:
                 outcome = self._one(job, started)
@@ -165,3 +197,13 @@ class ReloadWorker:
             (n for n in range(1, FLUSH_PROBES + 1) if canary.probe(job.client, job.canary) is None), 0
         )
         return replace(outcome, timings=timings, canary_failed=reason, rolled_back=True, flush_probes=flushes)
+
+
+def _answer(ask: Ask) -> Answered:
+    try:
+        return Answered(ask, value=ask.call(ask.client))
+    except (EngineError, EngineNotSetUp) as exc:
+        return Answered(ask, error=exc)
+    except Exception as exc:  # a bug: the loop hears of it as a failed call, and the thread lives
+        failed = EngineCallFailed(f"internal error: {type(exc).__name__}: {exc}", endpoint="")
+        return Answered(ask, error=failed)

@@ -15,7 +15,7 @@ from ..sources.remote import Downloaded, Rejected
 from ..sources.verdicts import Recalled
 from .control import Reply
 from .gating import GateFinished
-from .jobs import Outcome, WarmedUp
+from .jobs import Answered, Outcome, WarmedUp
 from .reverify import Reverified
 
 
@@ -62,11 +62,13 @@ Message = (
     | GateFinished
     | ReloadFinished
     | WarmedUp
+    | Answered
     | Reverified
     | ControlRequest
     | SignalReceived
 )
 __all__ = [
+    "Answered",
     "ControlRequest",
     "Downloaded",
     "FileChanged",

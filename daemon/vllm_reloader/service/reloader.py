@@ -3,8 +3,8 @@
 It owns the pieces of state the daemon acts on — the `Catalog` (what is on disk), one
 `Engine` per engine of this host (what it holds, the job on it), the gate in flight and a
 verdict waiting for room — and the state file they are saved to. The daemon's loop feeds it
-and calls `tick`; it never blocks on an engine for longer than one quick call, because gates
-and reloads run on their own threads (`gating`, `jobs`).
+and calls `tick`; it never waits on an engine or a checkpoint's bytes: gates run on their own
+thread (`gating`), and every engine call on the engine's own (`jobs`, `engines`).
 
 Several engines: one gate per checkpoint, loaded on the first engine (the canary engine)
 first; the others follow once it passed there (`rollout`).
@@ -22,11 +22,12 @@ from ..checkpoint import gate, order
 from ..config import Config
 from ..engine.client import RELOADING_PREFIX, EngineClient
 from ..sources.verdicts import Verdict
-from . import fleet, outcomes, rollback, rollout, status
+from . import fleet, outcomes, rollback, rollout, setup, status
 from .catalog import Catalog, detection_lag_ms
-from .engines import Engine, Engines
+from .engine import Engine
+from .engines import Engines
 from .gating import GateFinished, Gater, Gating, Ready
-from .jobs import Job, Outcome, WarmedUp
+from .jobs import Answered, Job, Outcome, WarmedUp
 from .messages import ReloadFinished
 from .metrics import Metrics
 from .reconcile import with_fingerprints
@@ -40,7 +41,7 @@ class Reloader:
     def __init__(
         self,
         config: Config,
-        post: Callable[[ReloadFinished | GateFinished | WarmedUp | Reverified], None],
+        post: Callable[[ReloadFinished | GateFinished | WarmedUp | Answered | Reverified], None],
         clients: Mapping[str, EngineClient] | None = None,
         on_verdict: Callable[[Verdict], None] | None = None,
     ) -> None:
@@ -135,15 +136,12 @@ class Reloader:
 
     def tick(self) -> None:
         now = time.monotonic()
-        for engine in self.engines:
-            if engine.served.resume_owed and now >= engine.served.retry_at:
-                engine.retry_resume(self.config.engine.retry_max)
         if now >= self.next_rescan:
             self.catalog.rescan()
             self.next_rescan = now + self.config.source.rescan_interval
         self.catalog.refresh_dirty()
         for engine in self.engines:
-            engine.tend(now, self.config.engine, self._reconcile)
+            engine.tend(now, self._reconcile)
         rejected = self.catalog.rejected_fingerprints()
         self.recalls.tend(self.engines, self._room(), now, self._rollback_target, self._restore, rejected)
         self._advance()
@@ -239,19 +237,19 @@ class Reloader:
 
     # -- the engines: what they hold, and loading ------------------------------------------
 
-    def _reconcile(self, engine: Engine) -> None:
-        """Learn what the engine serves, so nothing is reloaded needlessly after a restart."""
+    def _reconcile(self, engine: Engine, learned: setup.Learned) -> None:
+        """What the engine serves, so nothing is reloaded needlessly after a restart."""
         self.catalog.rescan()
         own = engine is self.canary  # the state file is the canary engine's own record
-        version, serving = engine.learn(self.config.engine, self.root, self.catalog.candidates, trusted=own)
+        candidates = self.catalog.candidates
+        version, serving = engine.learn(self.config.engine, self.root, candidates, learned, trusted=own)
         self.engines.same_layout(engine)
-        if version.startswith(RELOADING_PREFIX) and self._restore_after_interrupted_reload(
-            engine, version, serving
-        ):
-            return  # the restore resumes the engine
-        engine.settle(version, serving, self.config.canary)
-        self.set_serving(engine, serving)
-        self._rollback_target(engine)  # known before anything fails, and shown in `status`
+        restoring = version.startswith(RELOADING_PREFIX)
+        if not (restoring and self._restore_after_interrupted_reload(engine, version, serving)):
+            engine.settle(version, serving, self.config.canary, paused=learned.paused)
+            self.set_serving(engine, serving)
+            self._rollback_target(engine)  # known before anything fails, and shown in `status`
+        engine.say_reconciled(version, serving, learned)
 
     def _restore_after_interrupted_reload(self, engine: Engine, marker: str, unknown: Loaded) -> bool:
         """The weights may be a mix of two checkpoints: load a good one back, if one is left.
@@ -282,7 +280,7 @@ class Reloader:
         load a verdict of `ready` on the canary engine once there is room."""
         canary = self.canary
         served = canary.served
-        if served.baseline is None or not served.reconciled or canary.in_flight is not None:
+        if served.baseline is None or not served.reconciled or not canary.idle:
             return
         if self.ready is not None and self._room() > 0:
             if self.ready.hold_until is None:  # a better target whose files moved: wait for its read
@@ -310,9 +308,7 @@ class Reloader:
         if want is None:
             return
         followers = [
-            rollout.Follower(
-                e.url, e.served.serving, e.served.reconciled, e.in_flight is not None, e.retry_at_follow
-            )
+            rollout.Follower(e.url, e.served.serving, e.served.reconciled, not e.idle, e.retry_at_follow)
             for e in self.engines.followers
         ]
         room = self._room() - (self.ready is not None)

@@ -20,7 +20,7 @@ from ..checkpoint.files import Identity, changed
 from ..engine.client import STARTUP_VERSION
 from ..errors import LayoutUnreadable
 from . import reconcile
-from .engines import Engine
+from .engine import Engine
 from .metrics import Metrics
 from .reverify import Reverified, Reverifier, moved
 from .served import Served

@@ -24,13 +24,29 @@ from ..sources import hub
 from .served import Served
 
 
-def check_capabilities(client: EngineClient, logger: Any) -> capabilities.Capabilities:
+@dataclass(frozen=True)
+class Learned:
+    """What an engine says of itself at a reconcile (asked on its own thread)."""
+
+    found: capabilities.Capabilities
+    version: str
+    """The weight version it reports."""
+    server: ServerConfig
+    paused: bool
+
+
+def ask_engine(client: EngineClient) -> Learned:
+    """The calls of a reconcile, run on the engine's thread: an engine without the routes the
+    daemon drives is `EngineNotSetUp` before any of them is called."""
     found = client.capabilities()
     if (why := capabilities.problem(found)) is not None:
         raise EngineNotSetUp(why)
+    return Learned(found, client.weight_version(), client.server_config(), client.is_paused())
+
+
+def untested(found: capabilities.Capabilities, logger: Any) -> None:
     if capabilities.untested(found):
         logger.warning("engine.untested", vllm_version=found.version, tested=capabilities.SUPPORTED)
-    return found
 
 
 def startup_path(server: ServerConfig, environ: Mapping[str, str] | None = None) -> str:

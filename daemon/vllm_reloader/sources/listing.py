@@ -53,10 +53,11 @@ def judge(listed: Listed, listing: BucketListing) -> Incomplete | None:
 
 
 class HeaderSizes:
-    """Each shard's whole size from its header: two small ranged GETs per shard, once per ETag."""
+    """Each shard's whole size from its header: two small ranged GETs per shard, once per ETag.
+    A header listing more than `max_tensors` is refused before it is all parsed (`[gate]`)."""
 
-    def __init__(self, store: Store) -> None:
-        self.store = store
+    def __init__(self, store: Store, max_tensors: int | None = None) -> None:
+        self.store, self.max_tensors = store, max_tensors
         self.known: dict[tuple[str, str | None], int] = {}
 
     def listing(
@@ -72,7 +73,7 @@ class HeaderSizes:
                 def read(start: int, end: int) -> bytes:
                     return bytes(self.store.get_range(key[0], start, end, listed.etag))
 
-                size = size_from_header(shard, read, listed.size)
+                size = size_from_header(shard, read, listed.size, self.max_tensors)
                 if size is None:
                     return None
                 self.known[key] = size

@@ -115,7 +115,7 @@ class RemoteSource:
             manifest_grace=0.0,
         )
         self.convention = convention
-        self.headers = HeaderSizes(self.store)
+        self.headers = HeaderSizes(self.store, config.gate.max_tensors)
         self.bad_keys: dict[str, str] = {}
         """Checkpoints whose listing hit a key obstore cannot represent (logged once each)."""
         self.problems: dict[str, str] = {}

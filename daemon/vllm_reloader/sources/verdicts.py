@@ -29,16 +29,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .. import __version__
 from ..config import RolloutConfig
 from ..durable import replace_atomically
 from ..errors import SourceError
 from .objstore import Object, Store, Unlistable
+from .unwritten import UnwrittenFile
+from .unwritten import Verdict as Verdict
 
 VERDICTS_DIR = "_verdicts"
-UNWRITTEN_NAME = "unwritten-verdicts.json"
 MAX_RECORD_BYTES = 64 << 10
 """A record is a few hundred bytes; a larger object there is not one of ours (not read)."""
 INSTANCE_NAME = "instance-id"
@@ -95,23 +96,6 @@ def instance_id(directory: Path) -> tuple[str, str | None]:
     except OSError as exc:
         return new, f"cannot write {path}: {exc.strerror}"
     return new, None
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What this canary host made of one content of a version."""
-
-    name: str
-    """The version's name in the store (never a placed directory's `NAME@…`)."""
-    version: str
-    fingerprint: str
-    passed: bool
-    reason: str | None = None
-    canary: bool = True
-    """Whether its canary ran: a pass without one is not recorded (it proves only a load)."""
-
-
-_UNWRITTEN = TypeAdapter(list[Verdict])
 
 
 @dataclass(frozen=True)
@@ -195,7 +179,8 @@ class Fleet:
         """Verdicts handed over without being kept on disk (tests); `add` keeps them."""
         self._lock = threading.Lock()
         self._detached = False
-        self.unwritten: list[Verdict] = self._load()
+        self.kept = UnwrittenFile(state_dir, log)
+        self.unwritten: list[Verdict] = self.kept.load()
         """Not written yet, in order (the store refused the first, or none was tried): kept in
         the state dir (`unwritten-verdicts.json`), so a restart or a SIGHUP loses none."""
         self.write_problem: str | None = None
@@ -236,25 +221,9 @@ class Fleet:
             self.unwritten += [v for v in verdicts if v not in self.unwritten]
             self._save()
 
-    def _load(self) -> list[Verdict]:
-        try:
-            return list(_UNWRITTEN.validate_json((self.state_dir / UNWRITTEN_NAME).read_bytes()))
-        except FileNotFoundError:
-            return []
-        except (OSError, ValidationError) as exc:  # kept as it is: a later save replaces it
-            self.log.warning(
-                "verdict.queue_failed", reason=f"cannot read the unwritten verdicts: {exc}"[:300]
-            )
-            return []
-
     def _save(self) -> None:
-        if self._detached:
-            return
-        try:
-            self.state_dir.mkdir(parents=True, exist_ok=True)
-            replace_atomically(self.state_dir / UNWRITTEN_NAME, _UNWRITTEN.dump_json(self.unwritten))
-        except OSError as exc:  # they are still written from memory, unless the daemon stops first
-            self.log.warning("verdict.queue_failed", reason=f"cannot keep the unwritten verdicts: {exc}")
+        if not self._detached:
+            self.kept.save(self.unwritten)
 
     def write_queued(self, **fields: Any) -> bool:
         """Write every queued verdict, in order; whether none is left. One the store refuses
@@ -267,6 +236,10 @@ class Fleet:
                 self.add(self.queued.get_nowait())
             except queue.Empty:
                 break
+        with self._lock:
+            if self.kept.unread:  # a file not read at start: its verdicts go first, once it reads
+                self.unwritten = self.kept.merge(self.unwritten)
+                self._save()
         while not self._detached and (v := next(iter(self.pending()), None)) is not None:
             try:
                 self._write(v)

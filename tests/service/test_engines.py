@@ -1,0 +1,105 @@
+"""The engines of one host: answers reach the loop, and a shutdown does not wait on a hung
+engine for longer than it says."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+import structlog
+
+from tests.support.fake_engine import FakeEngine
+from vllm_reloader.config import EngineConfig
+from vllm_reloader.engine.client import EngineClient
+from vllm_reloader.errors import EngineNotSetUp, EngineUnavailable
+from vllm_reloader.service.engines import Engines
+from vllm_reloader.service.jobs import Answered, Report
+from vllm_reloader.service.metrics import Metrics
+
+URLS = ["http://engine-0.test", "http://engine-1.test", "http://engine-2.test"]
+
+
+def engines(reports: list[Report]) -> Engines:
+    config = EngineConfig(urls=URLS, retry_initial=0.05)
+    clients = {url: FakeEngine().client(url) for url in URLS}
+    made = Engines(config, (None, ()), reports.append, structlog.get_logger(), Metrics(), clients)
+    made.start()
+    return made
+
+
+def test_engines_close_waits_for_hung_calls_once_in_all_not_once_per_engine():
+    reports: list[Report] = []
+    host = engines(reports)
+    release = threading.Event()
+    for engine in host:
+        engine.ask(lambda _client: release.wait(30), lambda _: None)
+    host.close(wait=0.3)
+    try:
+        assert all(e.worker.is_alive() for e in host), "it returned while every call still hung"
+    finally:
+        release.set()
+    for engine in host:
+        engine.worker._thread.join(5)
+        assert not engine.worker.is_alive(), "and each thread ends once its call does"
+
+
+def test_engines_answer_reaches_the_engine_that_asked_and_a_failure_backs_it_off():
+    reports: list[Report] = []
+    host = engines(reports)
+    seen: list[object] = []
+    try:
+        first, second = host.all[0], host.all[1]
+        first.ask(lambda client: client.weight_version(), seen.append)
+        second.ask(fails(EngineUnavailable("gone", endpoint="/x")), seen.append)
+        for _ in range(2):
+            answer = next_report(reports)
+            host.answered(answer)
+        assert seen == ["default"], "the failed call's continuation never ran"
+        assert first.served.up and first.idle
+        assert not second.served.up and second.idle and second.served.retry_at > 0
+    finally:
+        host.close()
+
+
+def test_engines_answer_to_a_question_asked_before_a_regroup_is_dropped():
+    reports: list[Report] = []
+    host = engines(reports)
+    seen: list[object] = []
+    try:
+        host.all[0].ask(lambda client: client.weight_version(), seen.append)
+        host.regroup(EngineConfig(urls=URLS, retry_initial=0.05), (None, ()))
+        host.answered(next_report(reports))
+        assert seen == [] and host.all[0].idle
+    finally:
+        host.close()
+
+
+def test_engines_engine_not_set_up_on_its_thread_reaches_the_loop():
+    reports: list[Report] = []
+    host = engines(reports)
+    seen: list[object] = []
+    try:
+        host.all[0].ask(fails(EngineNotSetUp("dev mode off")), seen.append)
+        with pytest.raises(EngineNotSetUp, match="dev mode off"):
+            host.answered(next_report(reports))
+    finally:
+        host.close()
+
+
+def fails(error: Exception) -> Callable[[EngineClient], object]:
+    def call(_client: EngineClient) -> object:
+        raise error
+
+    return call
+
+
+def next_report(reports: list[Report], timeout: float = 5.0) -> Answered:
+    done = threading.Event()
+    for _ in range(int(timeout / 0.01)):
+        answers = [r for r in reports if isinstance(r, Answered)]
+        if answers:
+            reports.remove(answers[0])
+            return answers[0]
+        done.wait(0.01)
+    raise AssertionError("no answer came back")
