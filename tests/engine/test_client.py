@@ -1,3 +1,6 @@
+import ssl
+import subprocess
+
 import httpx
 import pytest
 from pydantic import SecretStr
@@ -89,5 +92,30 @@ def test_client_ends_an_answer_trickling_past_its_deadline_though_every_read_is_
         assert not server.trickled.is_set(), "before the engine had sent all of it"
         server.slow.clear()
         assert client.weight_version() == "default", "the next call has a connection of its own"
+    finally:
+        server.close()
+
+
+def test_client_ends_a_trickling_answer_over_https_too(tmp_path, monkeypatch):
+    """TLS wraps the connection's socket anew: the deadline shuts that one (shutting the plain
+    socket it replaced did nothing, and the call lasted as long as the engine liked)."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(cert, key)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # the client trusts it as an operator's CA
+    server = FakeEngineServer(FakeEngine(), tls=tls)
+    server.slow["/weight_info"] = 0.1
+    try:
+        client = EngineClient(EngineConfig(url=server.url, timeout=1.0))
+        with pytest.raises(EngineUnavailable, match=r"/weight_info: no whole answer within 1 s"):
+            client.weight_version()
+        assert server.cut.wait(5) and not server.trickled.is_set()
+        server.slow.clear()
+        assert client.weight_version() == "default"
     finally:
         server.close()

@@ -4,6 +4,7 @@ engine for longer than it says."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -103,3 +104,55 @@ def next_report(reports: list[Report], timeout: float = 5.0) -> Answered:
             return answers[0]
         done.wait(0.01)
     raise AssertionError("no answer came back")
+
+
+def test_engines_answer_while_stopping_starts_nothing():
+    reports: list[Report] = []
+    host = engines(reports)
+    seen: list[object] = []
+    try:
+        host.all[0].ask(lambda client: client.weight_version(), seen.append)
+        host.answered(next_report(reports), act=False)
+        assert seen == [] and host.all[0].idle
+    finally:
+        host.close()
+
+
+def test_engines_dropped_engine_owed_a_resume_is_resumed_on_its_own_thread_not_the_loops():
+    """A SIGHUP drops an engine whose resume failed (it did not answer): the loop lets it go at
+    once; its thread resumes it, then closes its client."""
+    reports: list[Report] = []
+    host = engines(reports)
+    dropped = host.all[2]
+    release, resumed = threading.Event(), threading.Event()
+
+    def resume() -> None:
+        release.wait(30)
+        resumed.set()
+
+    dropped.client.resume = resume  # type: ignore[method-assign]
+    dropped.served.resume_owed = True
+    try:
+        host.regroup(EngineConfig(urls=URLS[:2], retry_initial=0.05), (None, ()))
+        assert [e.url for e in host] == URLS[:2] and not resumed.is_set(), "the loop did not wait"
+        release.set()
+        assert resumed.wait(5), "its thread resumed it"
+        dropped.worker._thread.join(5)
+        assert not dropped.worker.is_alive()
+    finally:
+        release.set()
+        host.close()
+
+
+def test_engines_follower_whose_retry_time_passed_sets_no_deadline_that_would_spin_the_loop():
+    reports: list[Report] = []
+    host = engines(reports)
+    try:
+        follower = host.all[1]
+        follower.served.reconciled, follower.served.next_check = True, time.monotonic() + 60
+        follower.last_error, follower.retry_at_follow = "HTTP 500", time.monotonic() + 30
+        assert min(follower.deadlines()) == follower.retry_at_follow
+        follower.retry_at_follow = time.monotonic() - 1  # due, but no room now: a freed place wakes it
+        assert min(follower.deadlines()) == follower.served.next_check
+    finally:
+        host.close()

@@ -4,6 +4,7 @@ produce on demand. The real engine is what proves the whole works (test_e2e.py).
 from __future__ import annotations
 
 import json
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -172,7 +173,8 @@ def unreachable() -> Callable[[], httpx.Response]:
 class FakeEngineServer:
     """The scripted engine behind a real HTTP socket on 127.0.0.1, for daemon subprocesses."""
 
-    def __init__(self, engine: FakeEngine) -> None:
+    def __init__(self, engine: FakeEngine, tls: ssl.SSLContext | None = None) -> None:
+        """`tls`: a server context: the engine answers on https://."""
         import http.server
 
         fake, server = engine, self
@@ -214,7 +216,9 @@ class FakeEngineServer:
 
         self.engine = engine
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        if tls is not None:
+            self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 

@@ -68,7 +68,7 @@ class EngineClient:
         """One request and its whole answer within `limit` seconds, or `EngineUnavailable`."""
         with Deadline(limit) as deadline:
             try:
-                return self._http.request(
+                response = self._http.request(
                     method, path, timeout=limit, extensions={"trace": deadline.trace}, **kwargs
                 )
             except httpx.TimeoutException as exc:
@@ -81,6 +81,9 @@ class EngineClient:
                 raise EngineUnavailable(f"{path}: {exc or type(exc).__name__}", endpoint=path) from exc
             except httpx.HTTPError as exc:  # an answer httpx cannot decode
                 raise EngineCallFailed(f"{path}: {exc or type(exc).__name__}", endpoint=path) from exc
+        if deadline.expired:  # an answer that ends when its connection does was cut short
+            raise EngineUnavailable(f"{path}: no whole answer within {limit:g} s", endpoint=path)
+        return response
 
     def _call(self, method: str, path: str, *, timeout: float | None = None, **kwargs: Any) -> Any:
         response = self._exchange(method, path, timeout or self.config.timeout, **kwargs)
@@ -251,7 +254,12 @@ class Deadline:
     would hold the caller for as long as it likes. At the deadline the call's socket is shut
     down, which ends the read blocked on it (every call has a connection of its own)."""
 
-    CONNECTED = ("connection.connect_tcp.complete", "connection.connect_unix_socket.complete")
+    CONNECTED = (
+        "connection.connect_tcp.complete",
+        "connection.connect_unix_socket.complete",
+        "connection.start_tls.complete",  # TLS wraps the socket anew: the one to shut is that one
+        "proxy.start_tls.complete",
+    )
 
     def __init__(self, seconds: float) -> None:
         self.expired = False
@@ -286,7 +294,9 @@ class Deadline:
     def _shut(self) -> None:
         if self._socket is not None:
             with contextlib.suppress(OSError):  # closed already: the exchange ended as it came
-                self._socket.shutdown(socket.SHUT_RDWR)
+                # The plain socket's shutdown, also under TLS (`SSLSocket.shutdown` would drop
+                # the TLS state under a reader between two reads, as an unmapped ValueError).
+                socket.socket.shutdown(self._socket, socket.SHUT_RDWR)
 
 
 def _error_text(response: httpx.Response) -> str:

@@ -200,7 +200,7 @@ class Daemon:
         )
 
     def _tell_systemd(self) -> None:
-        if not self.ready_sent and self.reloader.served.reconciled:
+        if not self.ready_sent and self.reloader.served.reconciled and self.reloader.canary.idle:
             self.ready_sent = True
             self.notifier.ready(status.line(self.snapshot()))
         elif not self.ready_sent:
@@ -264,8 +264,8 @@ class Daemon:
                 self.reloader.recalled(name, version, fingerprint, reason)
             case GateFinished():  # stopping: nothing new is loaded
                 self.reloader.gated(message, act=self.stopping_since is None)
-            case Answered() as answer:
-                self.reloader.engines.answered(answer)
+            case Answered() as answer:  # stopping: nothing new is started on what it says
+                self.reloader.engines.answered(answer, act=self.stopping_since is None)
             case ReloadFinished(outcome):
                 self.reloader.finished(outcome)
             case Reverified():

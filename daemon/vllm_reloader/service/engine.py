@@ -173,6 +173,21 @@ class Engine:
         retry = outcomes.Event("warning", "engine.retry", {"reason": reason, "retry_in_s": wait})
         return replace(decision, reject=None, regate=None, events=(*decision.events, retry))
 
+    def let_go(self) -> None:
+        """Dropped by a SIGHUP, its job done: its thread resumes the engine if a resume is owed
+        and closes its client, after what it runs now; the loop waits for none of it."""
+        owed = self.served.resume_owed
+
+        def last(client: EngineClient) -> None:
+            try:
+                if owed:
+                    client.resume()
+            finally:
+                client.close()
+
+        self.worker.submit(Ask(self.client, last))
+        self.worker.stop()
+
     def close(self, wait: float = 5.0) -> None:
         """Let the engine's thread end (waiting `wait` seconds at most for a call under way),
         and resume the engine if a resume is owed (one call, within its deadline)."""
@@ -243,7 +258,7 @@ class Engine:
             return
         if served.reconciled and not served.resume_owed:
             yield served.next_check
-            if self.last_error is not None:
-                yield self.retry_at_follow
+            if self.last_error is not None and self.retry_at_follow > time.monotonic():
+                yield self.retry_at_follow  # (once past, a freed place wakes the loop)
         else:
             yield served.retry_at

@@ -14,7 +14,7 @@ from ..engine.client import EngineClient
 from ..errors import EngineError, EngineNotSetUp
 from . import rollout, status
 from .engine import Engine
-from .jobs import Answered, Job, Report
+from .jobs import Answered, Ask, Job, Report
 from .metrics import Metrics
 from .state import Loaded
 
@@ -79,7 +79,7 @@ class Engines:
         engine.in_flight = None
         if engine in self.retired:
             self.retired.remove(engine)
-            engine.close(wait=0.0)  # its job is done: nothing to wait for
+            engine.let_go()
             return None
         return engine
 
@@ -100,13 +100,16 @@ class Engines:
         for engine in engines:
             engine.close(max(0.0, until - time.monotonic()))
 
-    def answered(self, answer: Answered) -> None:
-        """An engine's thread answered what the loop asked: go on from there. An answer to a
-        question asked before a SIGHUP regrouped the engines is dropped."""
+    def answered(self, answer: Answered, *, act: bool = True) -> None:
+        """An engine's thread answered what the loop asked: go on from there (`act`: the daemon
+        is not stopping). An answer to a question asked before a SIGHUP regrouped the engines
+        is dropped."""
         engine = next((e for e in self.all if e.asking is answer.ask), None)
         if engine is None:
             return
         then, engine.asking = engine.then, None
+        if not act:
+            return
         try:
             if answer.error is not None:
                 raise answer.error  # EngineNotSetUp goes on up: the daemon exits 2
@@ -128,14 +131,15 @@ class Engines:
                 engine = self._make(config, url, history)
                 engine.worker.start()
             else:
-                engine.client = self.clients.get(url) or EngineClient(config, url=url)
+                old, engine.client = engine.client, self.clients.get(url) or EngineClient(config, url=url)
+                engine.worker.submit(Ask(old, EngineClient.close))  # after what it runs with it
                 engine.asking = None  # its answer, if one comes, was asked of the old client
             engine.served.reconciled = False
             regrouped.append(engine)
         for dropped in current.values():
             dropped.log.info("engine.dropped")
             if dropped.in_flight is None:
-                dropped.close(wait=0.0)  # a call under way ends within its deadline
+                dropped.let_go()
             else:
                 self.retired.append(dropped)
         self.all = regrouped

@@ -121,7 +121,7 @@ class ReloadWorker:
         self._jobs.put(job)
 
     def stop(self) -> None:
-        """Take no more work: the thread ends after what it runs now."""
+        """Take no more work: the thread ends after what was submitted before."""
         self._jobs.put(None)
 
     def close(self, timeout: float = 5.0) -> None:
