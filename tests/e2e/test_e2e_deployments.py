@@ -1,4 +1,4 @@
-"""The real engine as users deploy it: guarded by `--api-key`, and so on (README, "Deployments")."""
+"""The real engine as users deploy it: guarded by `--api-key`, and so on (docs/deployments.md)."""
 
 from __future__ import annotations
 

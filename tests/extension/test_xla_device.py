@@ -1,6 +1,6 @@
 """The extension's accelerator path on a real XLA device: torch_xla's CPU device
 (`PJRT_DEVICE=CPU`), in the separate venv scripts/test makes (torch_xla 2.9 pins its own
-torch, not vLLM's). What it proves and what only a TPU would: README, "Deployments"."""
+torch, not vLLM's). What it proves and what only a TPU would: docs/deployments.md, "TPU"."""
 
 from __future__ import annotations
 

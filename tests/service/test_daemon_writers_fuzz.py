@@ -4,7 +4,7 @@ after the gate or right after the load. After every step: what the engine was to
 is bytes that match that checkpoint's manifest, the engine is not left paused, the loop runs.
 
 The engine's startup model is not changed here: it is what the engine was started with, and
-the daemon trusts it as the last way back (README, "Reliability").
+the daemon trusts it as the last way back (docs/operations.md, "Reliability").
 """
 
 from __future__ import annotations

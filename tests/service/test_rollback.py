@@ -130,7 +130,7 @@ def test_rollback_pick_skips_what_changed_or_vanished(make_checkpoint, tmp_path)
 def test_rollback_target_whose_metadata_moved_is_read_again_and_still_used(
     start, root, tmp_path, make_checkpoint
 ):
-    """`chmod g+r` (as the README tells trainers) and a backup's hard link change no byte, but
+    """`chmod g+r` (as docs/deployments.md tells trainers) and a backup's hard link change no byte, but
     move every file's ctime: the target's bytes are read again, and it is still the way back."""
     startup = make_checkpoint("startup", root=tmp_path / "models")
     engine = FakeEngine(startup=str(startup))

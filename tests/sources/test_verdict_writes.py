@@ -137,17 +137,23 @@ def test_verdict_write_refusals_keep_the_order_and_log_again_only_for_a_new_reas
     assert logs[-1]["verdicts"] == 2
 
 
-def test_verdict_refused_before_a_restart_is_written_by_the_next_daemon(
-    tmp_path, bucket: Bucket, monkeypatch
-):
-    """Kept in the state dir, not in memory: the store refused it, the daemon stopped, and the
-    one that starts next writes it (before: followers waited for ever)."""
+def queued_then_stopped(tmp_path: Path, bucket: Bucket, monkeypatch: pytest.MonkeyPatch) -> Refusing:
+    """A daemon whose store refused its verdict for step-3 stopped; the store still refuses."""
     refusing = Refusing(monkeypatch)
     refusing.refuse.set()
     first, _ = source(tmp_path, bucket)
     first.record(verdicts.Verdict("step-3", "step-3", FP, False, "canary: NaN"))
     assert first.fleet.write_queued() is False
     first.close()
+    return refusing
+
+
+def test_verdict_refused_before_a_restart_is_written_by_the_next_daemon(
+    tmp_path, bucket: Bucket, monkeypatch
+):
+    """Kept in the state dir, not in memory: the store refused it, the daemon stopped, and the
+    one that starts next writes it (before: followers waited for ever)."""
+    refusing = queued_then_stopped(tmp_path, bucket, monkeypatch)
     refusing.refuse.clear()
     second, _ = source(tmp_path, bucket)
     assert second.fleet.pending() == [verdicts.Verdict("step-3", "step-3", FP, False, "canary: NaN")]
@@ -202,12 +208,7 @@ def test_verdict_file_unreadable_at_start_is_never_replaced_and_its_verdicts_are
 ):
     """An EIO on `unwritten-verdicts.json` at start is not an empty queue: the file keeps what it
     holds while it cannot be read, and its verdicts are written, first, once it can."""
-    refusing = Refusing(monkeypatch)
-    refusing.refuse.set()
-    first, _ = source(tmp_path, bucket)
-    first.record(verdicts.Verdict("step-3", "step-3", FP, False, "canary: NaN"))
-    assert first.fleet.write_queued() is False
-    first.close()
+    refusing = queued_then_stopped(tmp_path, bucket, monkeypatch)
     kept = tmp_path / "state" / unwritten.NAME
     held = kept.read_bytes()
     failing = threading.Event()

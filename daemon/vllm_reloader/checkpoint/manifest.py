@@ -1,7 +1,7 @@
 """The manifest: `ROOT/<version>/manifest.json`, written last by the producer.
 
 Its arrival is the signal that a checkpoint is complete, so it must describe every file
-the engine will read. The format is public (see README); `format_version` guards changes.
+the engine will read. The format is public (docs/design.md); `format_version` guards changes.
 """
 
 from __future__ import annotations
