@@ -74,6 +74,7 @@ def _daemon(base: Path, runs: int, polling: bool, interval: float) -> list[float
     root = base / "root"
     write_checkpoint(root / "step-0", shards=1, total_bytes=4096)
     engine = FakeEngine(startup=str(root / "step-0"))
+    (base / "state").mkdir(exist_ok=True)  # the daemon never makes it
     cfg = config.Config(
         source=config.SourceConfig(path=str(root), poll=polling, poll_interval=interval),
         engine=config.EngineConfig(url="http://engine.test"),

@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             write_checkpoint(root / f"step-{i}", shards=1, total_bytes=4096, seed=i)
         server = FakeEngineServer(FakeEngine(startup=str(root / f"step-{args.checkpoints - 1}")))
         config = base / "d.toml"
+        (base / "state").mkdir()  # the daemon never makes it
         config.write_text(
             f'[source]\npath = "{root}"\n[engine]\nurl = "{server.url}"\n'
             f'[state]\ndir = "{base / "state"}"\n[log]\nformat = "json"\n'

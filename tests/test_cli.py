@@ -1,8 +1,12 @@
 """The console script as a user runs it: a real subprocess, exit codes, one-line errors."""
 
+import json
 import socket
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from tests.support.checkpoints import write_weights
 from vllm_reloader.cli import main
@@ -49,8 +53,16 @@ def test_cli_publish_then_verify_against_serving(tmp_path):
 def test_cli_verify_reports_reason_and_exits_1(tmp_path, capsys):
     directory = tmp_path / "step-1"
     write_weights(directory)
-    assert main(["verify", str(directory)]) == 1
+    assert main(["verify", str(directory), "--completeness", "manifest"]) == 1
     assert capsys.readouterr().out.strip() == "pending: no manifest.json yet"
+
+
+def test_cli_verify_says_what_a_sharded_checkpoint_without_its_index_waits_for(tmp_path, capsys):
+    write_weights(tmp_path / "hf", shards=2)
+    assert main(["verify", str(tmp_path / "hf")]) == 1
+    said = capsys.readouterr().out.strip()
+    assert said.startswith("pending: 2 .safetensors file(s) but no model.safetensors.index.json yet")
+    assert "vllm-reloader publish" in said
 
 
 def test_cli_publish_into_existing_version_exits_1(tmp_path, capsys):
@@ -82,6 +94,11 @@ def test_cli_verify_knows_the_foreign_conventions(tmp_path):
 
 
 def _config(tmp_path, **sections: str) -> str:
+    """A config naming ROOT and STATE under `tmp_path`, made here as an operator would (unless
+    something is there already), and anything else `sections` says."""
+    for made in ("root", "state"):
+        if not (tmp_path / made).exists():
+            (tmp_path / made).mkdir()
     parts = {
         "source": f'path = "{tmp_path / "root"}"',
         "engine": 'url = "http://127.0.0.1:1"',
@@ -129,6 +146,7 @@ def test_cli_metrics_port_out_of_range_or_in_use_exits_2(tmp_path):
 
 def test_cli_control_socket_path_too_long_exits_2(tmp_path):
     long = tmp_path / ("d" * 120) / "control.sock"
+    long.parent.mkdir()
     config = _config(tmp_path, control=f'socket = "{long}"')
     _exits_2_in_one_line(cli("run", "--config", config), "longer than the 107 bytes")
 
@@ -136,3 +154,83 @@ def test_cli_control_socket_path_too_long_exits_2(tmp_path):
 def test_cli_source_path_naming_a_file_exits_2(tmp_path):
     (tmp_path / "root").write_text("not a directory")
     _exits_2_in_one_line(cli("run", "--config", _config(tmp_path)), "exists and is not a directory")
+
+
+@pytest.mark.parametrize("key", ["source.path", "state.dir"])
+def test_cli_run_with_a_missing_directory_exits_2_naming_it_and_creates_nothing(tmp_path, key):
+    """A typo in a path is one line and exit 2, not a new tree on the host."""
+    typo = tmp_path / "typo" / "dir"
+    body = {"source": f'path = "{typo}"'} if key == "source.path" else {"state": f'dir = "{typo}"'}
+    config = _config(tmp_path, **body)
+    _exits_2_in_one_line(cli("run", "--config", config), f"{key} {typo}: no such directory; create it")
+    assert not (tmp_path / "typo").exists()
+    assert list((tmp_path / "state").iterdir()) == [], "no state file, no control socket"
+
+
+def test_cli_run_with_state_dir_under_a_file_exits_2_in_one_line(tmp_path):
+    (tmp_path / "a-file").write_text("not a directory")
+    under = tmp_path / "a-file" / "state"
+    config = _config(tmp_path, state=f'dir = "{under}"')
+    _exits_2_in_one_line(cli("run", "--config", config), f"state.dir {under}: a part of the path is a file")
+
+
+def test_cli_run_resolves_relative_paths_against_the_config_files_directory(tmp_path):
+    """Not against the directory the daemon happens to be started from."""
+    from tests.support.engine_fixtures import DaemonProcess
+
+    etc, elsewhere = tmp_path / "etc", tmp_path / "elsewhere"
+    for directory in (etc / "checkpoints", etc / "state", elsewhere):
+        directory.mkdir(parents=True)
+    config = etc / "daemon.toml"
+    config.write_text(
+        '[source]\npath = "checkpoints"\n[engine]\nurl = "http://127.0.0.1:1"\nretry_initial = 5.0\n'
+        '[state]\ndir = "./state"\n[log]\nformat = "json"\n'
+    )
+    daemon = DaemonProcess(Path("..") / "etc" / "daemon.toml", cwd=elsewhere)
+    try:
+        started = daemon.wait_for("daemon.started", timeout=30)
+        assert started["root"] == str(etc / "checkpoints")
+        assert (etc / "state" / "control.sock").is_socket()
+        assert list(elsewhere.iterdir()) == []
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_cli_verify_of_a_path_that_is_not_there_is_a_usage_error_naming_it(tmp_path):
+    missing = tmp_path / "step-typo"
+    _exits_2_in_one_line(cli("verify", str(missing)), f"no such directory: {missing}")
+    (tmp_path / "file").write_text("x")
+    _exits_2_in_one_line(cli("verify", str(tmp_path / "file")), f"not a directory: {tmp_path / 'file'}")
+
+
+def test_cli_publish_of_bin_weights_only_is_refused_at_once_and_writes_nothing(tmp_path):
+    src = tmp_path / "out"
+    src.mkdir()
+    (src / "pytorch_model.bin").write_bytes(b"\x80\x02pickled torch weights")
+    (src / "config.json").write_text("{}")
+    result = cli("publish", str(src), "--into", str(tmp_path / "root"), "--step", "3")
+    assert result.returncode == 1, result.stdout
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert "no .safetensors weights (found pytorch_model.bin)" in result.stderr
+    assert "save_pretrained(..., safe_serialization=True)" in result.stderr
+    assert not (tmp_path / "root").exists(), "nothing written into the root"
+
+
+def test_cli_run_whose_reader_goes_away_stops_at_once_without_a_traceback(tmp_path):
+    """`vllm-reloader run ... | head -3`: an engine that never answers keeps the lines coming."""
+    config = _config(tmp_path, engine='url = "http://127.0.0.1:1"\nretry_initial = 0.05\nretry_max = 0.1')
+    with subprocess.Popen(
+        [sys.executable, "-m", "vllm_reloader", "run", "--config", config],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    ) as daemon:  # fmt: skip
+        assert daemon.stdout is not None and daemon.stderr is not None
+        first = [daemon.stdout.readline() for _ in range(3)]
+        daemon.stdout.close()  # as `head -3` exits
+        try:
+            assert daemon.wait(timeout=20) == 141, "stopped as by SIGTERM, not 0: systemd restarts it"
+        finally:
+            daemon.kill()  # (a no-op once it has exited)
+        errors = daemon.stderr.read()
+    assert "Traceback" not in errors and "BrokenPipe" not in errors, errors
+    assert errors == ""
+    assert [list(json.loads(line))[:3] for line in first] == [["timestamp", "level", "event"]] * 3

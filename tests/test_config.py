@@ -1,4 +1,5 @@
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -133,3 +134,36 @@ def test_config_refuses_an_api_key_too_short_to_redact_from_the_log(tmp_path):
     with pytest.raises(ConfigError, match="shorter than 8 characters") as refused:
         config.parse(MINIMAL, environ={"VLLM_API_KEY": "a"})
     assert "'a'" not in str(refused.value)
+
+
+def test_config_relative_paths_are_relative_to_the_config_files_directory(tmp_path, monkeypatch):
+    """Every path-valued key; an absolute one and an object-store URL stay as written."""
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "engine.key").write_text("file-key-1\n")
+    (etc / "engine.key").chmod(0o600)
+    (etc / "daemon.toml").write_text(
+        '[source]\npath = "../checkpoints"\n'
+        '[engine]\nurl = "http://e"\napi_key_file = "engine.key"\nbaseline = "models/base"\n'
+        '[state]\ndir = "state"\ncache_dir = "/var/cache/r"\n[control]\nsocket = "./run/c.sock"\n'
+    )
+    monkeypatch.chdir(tmp_path / "etc" / "..")  # not the config's directory
+    cfg = config.load(Path("etc/daemon.toml"))
+    assert cfg.source.path == str(tmp_path / "checkpoints")
+    assert cfg.engine.api_key_file == etc / "engine.key" and cfg.engine.baseline == etc / "models" / "base"
+    assert cfg.state.dir == etc / "state" and cfg.state.cache_dir == Path("/var/cache/r")
+    assert cfg.control_socket == etc / "run" / "c.sock"
+    assert cfg.engine.api_key is not None and cfg.engine.api_key.get_secret_value() == "file-key-1"
+    remote = MINIMAL.replace("/srv/checkpoints", "s3://bucket/runs")
+    assert config.parse(remote, base=etc).source.path == "s3://bucket/runs"
+
+
+def test_config_empty_path_is_an_error_not_the_current_directory():
+    with pytest.raises(ConfigError, match=r"state\.dir: Value error, must not be empty"):
+        config.parse(MINIMAL.replace('"/var/lib/vllm-reloader"', '""'))
+
+
+@pytest.mark.parametrize("key", ["/srv/checkpoints", "/var/lib/vllm-reloader"])
+def test_config_path_holding_a_nul_is_a_config_error_not_a_crash(key):
+    with pytest.raises(ConfigError, match=r"must not hold a NUL character"):
+        config.parse(MINIMAL.replace(f'"{key}"', f'"{key}\\u0000x"'))

@@ -37,6 +37,7 @@ def no_secrets_left() -> Iterator[None]:
 
 def config_text(tmp_path: Path, extra: str = "") -> str:
     (tmp_path / "root").mkdir(exist_ok=True)
+    (tmp_path / "state").mkdir(exist_ok=True)
     return (
         f'[source]\npath = "{tmp_path / "root"}"\n'
         f'[engine]\nurl = "http://engine.test"\nretry_initial = 0.05\nretry_max = 0.1\n{extra}'

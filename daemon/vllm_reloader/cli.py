@@ -15,7 +15,7 @@ from pathlib import Path
 from . import config as config_mod
 from . import log
 from .checkpoint import gate, layout
-from .checkpoint.completeness import Convention, Mode
+from .checkpoint.conventions import Convention, Mode
 from .errors import ConfigError, LayoutUnreadable, ReloaderError
 
 
@@ -47,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     pin = commands.add_parser("pin", help="load VERSION and stop auto-advancing")
     pin.add_argument("version", metavar="VERSION")
     pin.add_argument("--config", required=True, type=Path, metavar="FILE")
+    pin.add_argument("--force", action="store_true", help="pin a rejected version: gate and load it again")
     for name, text in (("unpin", "resume auto-advancing"), ("reload", "rescan and check the engine now")):
         commands.add_parser(name, help=text).add_argument(
             "--config", required=True, type=Path, metavar="FILE"
@@ -62,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
         "--against", type=Path, metavar="SERVING_DIR", help="also check the layout against this checkpoint"
     )
     verify.add_argument(
-        "--completeness", choices=("manifest", "hf-index", "marker"), default="manifest",
+        "--completeness", choices=("auto", "manifest", "hf-index", "marker"), default="auto",
         help="how the writer marks a checkpoint whole (as [source] completeness)",
     )  # fmt: skip
     return parser
@@ -82,7 +83,8 @@ def _run(config_path: Path, priority_prefix: bool) -> int:
     log.configure(cfg.log.level, cfg.log.format, priority_prefix=cfg.log.priority_prefix)
     daemon = Daemon(cfg, config_path=config_path)
     daemon.install_signal_handlers()
-    return daemon.run()
+    code = daemon.run()
+    return log.EXIT_OUTPUT_LOST if code == 0 and log.output_lost() else code
 
 
 def _publish(args: argparse.Namespace) -> int:
@@ -106,6 +108,8 @@ def _publish(args: argparse.Namespace) -> int:
 
 
 def _verify(directory: Path, against: Path | None, mode: Mode) -> int:
+    if not directory.is_dir():  # a typo, not a checkpoint that went away while checked
+        return _fail(2, f"{'not a directory' if directory.exists() else 'no such directory'}: {directory}")
     serving = None
     if against is not None:
         try:
@@ -129,7 +133,7 @@ def _control(args: argparse.Namespace) -> int:
     from .service import control, status
 
     cfg = config_mod.load(args.config)
-    fields = {"version": args.version} if args.command == "pin" else {}
+    fields = {"version": args.version, "force": args.force} if args.command == "pin" else {}
     answer = control.call(cfg.control_socket, args.command, **fields)
     if not answer.get("ok"):
         return _fail(1, str(answer.get("error", "failed")))

@@ -13,14 +13,16 @@ import stat
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -32,6 +34,23 @@ REMOTE_SCHEMES = ("s3://", "gs://", "az://")
 DEFAULT_MARKERS = ("commit_success.txt", "_SUCCESS", "COMPLETE")
 API_KEY_ENV = "VLLM_API_KEY"
 """vLLM's own variable for `--api-key`: the daemon reads it too when no key file is set."""
+
+
+def _anchored(value: object, info: ValidationInfo) -> object:
+    """A relative path in a config file is relative to the file's directory (`load` passes it
+    as `base`), not to wherever the daemon happened to be started."""
+    if not isinstance(value, str | Path) or "://" in str(value):
+        return value  # an object-store URL, or not a path: the field's own checks say so
+    if str(value) == "":
+        raise ValueError("must not be empty")
+    if "\0" in str(value):
+        raise ValueError("must not hold a NUL character")
+    base = (info.context or {}).get("base")
+    return Path(value) if base is None or Path(value).is_absolute() else Path(os.path.normpath(base / value))
+
+
+ConfigPath = Annotated[Path, BeforeValidator(_anchored)]
+"""A path-valued key: `Path`, resolved against the config file's directory when relative."""
 
 
 class _Section(BaseModel):
@@ -56,10 +75,12 @@ class SourceConfig(_Section):
     """How long an unparsable manifest may be mid-write before it is rejected."""
     ignore: tuple[str, ...] = ()
     """More glob patterns of names that are never candidates, on top of `source.ALWAYS_IGNORED`."""
-    completeness: Literal["manifest", "hf-index", "marker"] = "manifest"
-    """How a checkpoint says it is whole: our manifest, HF's index written last, or a marker file."""
+    completeness: Literal["auto", "manifest", "hf-index", "marker"] = "auto"
+    """How a checkpoint says it is whole: `auto` takes whichever of the others it shows (our
+    manifest, a marker, Trainer's trainer_state.json, HF's index, a lone model.safetensors
+    whose header accounts for its size); `manifest`, `hf-index` and `marker` take only that."""
     markers: tuple[str, ...] = DEFAULT_MARKERS
-    """`marker` mode: any of these files in the checkpoint directory marks it complete."""
+    """`marker` and `auto` modes: any of these files in the checkpoint directory marks it complete."""
     settle_seconds: float = Field(30.0, ge=0)
     """`hf-index` mode, single-file checkpoints: how long the directory must be quiet."""
     download_concurrency: int = Field(8, ge=1, le=256)
@@ -73,7 +94,8 @@ class SourceConfig(_Section):
 
     @field_validator("path", mode="before")
     @classmethod
-    def _str_from_path(cls, value: object) -> object:
+    def _str_from_path(cls, value: object, info: ValidationInfo) -> object:
+        value = _anchored(value, info)
         return str(value) if isinstance(value, Path) else value
 
     @field_validator("path")
@@ -130,21 +152,16 @@ class EngineConfig(_Section):
     retry_max: float = Field(30.0, gt=0)
     check_interval: float = Field(5.0, gt=0)
     """How often an idle daemon asks the engine for its weight version, to notice a restart."""
-    baseline: Path | None = None
+    baseline: ConfigPath | None = None
     """A directory with the served model's safetensors, whose layout every candidate must match.
     Default: the engine's startup model (from `/server_info`; a hub id is looked up in the
     Hugging Face cache). Set it where the daemon cannot read that."""
-    api_key_file: Path | None = None
+    api_key_file: ConfigPath | None = None
     """A file holding the engine's `--api-key`, readable by the daemon only (a systemd
     credential: `LoadCredential=`). Without it, `VLLM_API_KEY` from the environment."""
     api_key: SecretStr | None = None
     """Never from the config file (it would be readable by anyone who may read the config):
     `parse` fills it in from `api_key_file` or `VLLM_API_KEY`. SecretStr keeps it out of reprs."""
-
-    @field_validator("api_key_file", "baseline", mode="before")
-    @classmethod
-    def _path_from_str(cls, value: object) -> object:
-        return Path(value) if isinstance(value, str) else value
 
     @field_validator("api_key", mode="before")
     @classmethod
@@ -210,18 +227,13 @@ class CanaryConfig(_Section):
 
 
 class StateConfig(_Section):
-    dir: Path
-    cache_dir: Path | None = None
+    dir: ConfigPath
+    cache_dir: ConfigPath | None = None
     """Where an object-store source downloads to; default `<dir>/cache`."""
     keep: int = Field(2, ge=0)
     """Downloaded checkpoints kept besides the serving and last good one (and a pinned one)."""
     min_free_bytes: int = Field(1 << 30, ge=0)
     """Free space that must remain in `cache_dir` after a download, or it does not start."""
-
-    @field_validator("dir", "cache_dir", mode="before")
-    @classmethod
-    def _path_from_str(cls, value: object) -> object:
-        return Path(value) if isinstance(value, str) else value
 
 
 class LogConfig(_Section):
@@ -232,13 +244,8 @@ class LogConfig(_Section):
 
 
 class ControlConfig(_Section):
-    socket: Path | None = None
+    socket: ConfigPath | None = None
     """The control socket (mode 0660); default `<state.dir>/control.sock`."""
-
-    @field_validator("socket", mode="before")
-    @classmethod
-    def _path_from_str(cls, value: object) -> object:
-        return Path(value) if isinstance(value, str) else value
 
 
 class MetricsConfig(_Section):
@@ -319,15 +326,17 @@ def _describe(error: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def parse(text: str, origin: str = "<config>", environ: Mapping[str, str] | None = None) -> Config:
+def parse(
+    text: str, origin: str = "<config>", environ: Mapping[str, str] | None = None, base: Path | None = None
+) -> Config:
     """The config in `text`, with the engine's API key read from its file or `environ`
-    (default: this process's environment)."""
+    (default: this process's environment); relative paths joined to `base` (the file's directory)."""
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{origin}: not valid TOML: {exc}") from exc
     try:
-        config = Config.model_validate(raw)
+        config = Config.model_validate(raw, context={"base": base})
     except ValidationError as exc:
         raise ConfigError(f"{origin}: {_describe(exc)}") from exc
     environ = os.environ if environ is None else environ
@@ -385,4 +394,4 @@ def load(path: Path) -> Config:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from exc
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
-    return parse(text, str(path))
+    return parse(text, str(path), base=Path(os.path.abspath(path)).parent)

@@ -17,7 +17,7 @@ import pytest
 
 from tests.support.checkpoints import TENSORS, hf_index, write_weights
 from vllm_reloader.checkpoint import gate, layout
-from vllm_reloader.checkpoint.completeness import Convention
+from vllm_reloader.checkpoint.conventions import Convention
 from vllm_reloader.checkpoint.files import INDEX_NAME
 from vllm_reloader.sources import local
 

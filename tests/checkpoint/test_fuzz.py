@@ -16,12 +16,12 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from vllm_reloader.checkpoint import files, gate
-from vllm_reloader.checkpoint.completeness import Convention
+from vllm_reloader.checkpoint.conventions import Convention
 from vllm_reloader.checkpoint.manifest import parse
 from vllm_reloader.errors import LayoutUnreadable, ManifestInvalid, NotJSONYet
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-NO_GRACE = gate.GateOptions(convention=Convention(manifest_grace=0))
+NO_GRACE = gate.GateOptions(convention=Convention("manifest", manifest_grace=0))
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),

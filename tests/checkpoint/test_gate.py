@@ -12,10 +12,10 @@ import pytest
 from tests.support.checkpoints import TENSORS, MakeCheckpoint, write_manifest, write_weights
 from tests.support.permissions import OWNER, as_another_user
 from vllm_reloader.checkpoint import files, gate, layout
-from vllm_reloader.checkpoint.completeness import Convention
+from vllm_reloader.checkpoint.conventions import Convention
 from vllm_reloader.checkpoint.files import INDEX_NAME, identity
 
-NO_GRACE = gate.GateOptions(convention=Convention(manifest_grace=0))
+NO_GRACE = gate.GateOptions(convention=Convention("manifest", manifest_grace=0))
 
 
 def serving_layout(tmp_path: Path) -> layout.Layout:
@@ -43,7 +43,8 @@ def test_gate_accepts_whole_checkpoint_with_matching_layout(make_checkpoint: Mak
 def test_gate_waits_for_missing_manifest(tmp_path):
     directory = tmp_path / "step-1"
     write_weights(directory)
-    verdict = gate.check(directory, serving=None)
+    options = gate.GateOptions(convention=Convention("manifest"))
+    verdict = gate.check(directory, serving=None, options=options)
     assert (verdict.status, verdict.reason) == ("pending", "no manifest.json yet")
 
 

@@ -16,7 +16,7 @@ import pytest
 from tests.support.checkpoints import TENSORS, MakeCheckpoint, write_manifest
 from vllm_reloader import config
 from vllm_reloader.checkpoint import files, gate
-from vllm_reloader.checkpoint.completeness import Convention
+from vllm_reloader.checkpoint.conventions import Convention
 
 
 def header_only_shard(path: Path, tensors: int, *, first: int = 0) -> int:

@@ -379,6 +379,7 @@ def test_e2e_object_store_publish_reaches_the_real_engine(world: World, tmp_path
 
     assert world.daemon.stop() == 0
     config = tmp_path / "remote.toml"
+    (tmp_path / "state").mkdir()  # the daemon never makes it
     config.write_text(
         f'[source]\npath = "{bucket.url}"\npoll_interval = 0.2\npart_size = 65536\n'
         f'[engine]\nurl = "{world.engine.url}"\nretry_initial = 0.2\n'

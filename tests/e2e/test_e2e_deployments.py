@@ -75,8 +75,7 @@ def test_e2e_bf16_engine_started_offline_from_a_hub_model_id_takes_float32_and_f
         root = tmp_path / "root"
         config = daemon_config(
             tmp_path / "d.toml", root=root, engine_url=engine.url, state_dir=tmp_path / "s"
-        )
-        root.mkdir()
+        )  # it makes the root and the state dir
         daemon = DaemonProcess(config, env=hub)
         try:
             reconciled = daemon.wait_for("engine.reconciled", version="default")
@@ -142,8 +141,7 @@ def test_e2e_trainer_run_is_followed_to_its_last_checkpoint(world: World, tmp_pa
         config.read_text().replace(
             "[source]\n", '[source]\ncompleteness = "hf-index"\nsettle_seconds = 1.0\n'
         )
-    )
-    root.mkdir()
+    )  # daemon_config made the root and the state dir
     daemon = DaemonProcess(config)
     try:
         daemon.wait_for("engine.reconciled")

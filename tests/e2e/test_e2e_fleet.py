@@ -22,6 +22,7 @@ pytestmark = pytest.mark.engine
 
 
 def fleet_config(path: Path, bucket: Bucket, engine_url: str, state: Path, rollout: str) -> Path:
+    state.mkdir(parents=True, exist_ok=True)  # the daemon never makes it
     path.write_text(
         f'[source]\npath = "{bucket.url}"\npoll_interval = 0.2\npart_size = 65536\n'
         f'[engine]\nurl = "{engine_url}"\nretry_initial = 0.2\n'
@@ -70,12 +71,15 @@ def test_e2e_fleet_follower_loads_only_what_a_canary_host_passed(
         canary = DaemonProcess(canary_config)
         recorded = canary.wait_for("verdict.recorded", name=good, verdict="passed", timeout=120)
         loaded = follower.wait_for("reload.succeeded", version=good, timeout=60)
-        assert at(follower.wait_for("download.started", name=good)) > at(recorded)
         assert follower_engine.version == good and world.engine.weight_version() == good
         (key,) = [k for k in bucket.listed() if k.startswith(f"{good}/_verdicts/")]  # <fingerprint>/
         assert key.endswith("/canary-1.passed.json")
         record = json.loads(bucket.client.get_object(Bucket=bucket.name, Key=f"runs/{key}")["Body"].read())
         assert record["verdict"] == "passed" and record["host"] == "canary-1" and record["version"] == good
+        # Not before the record existed: made at `at`, then written; the canary host logs
+        # `verdict.recorded` after the write, so the follower may act before that line.
+        started = at(follower.wait_for("download.started", name=good))
+        assert started.timestamp() > record["at"] and str(recorded["key"]).endswith(key)
         assert loaded["bytes"] > 0
 
         bad = f"step-{next(_steps)}"

@@ -11,7 +11,7 @@ from tests.support.fake_engine import FakeEngine, error, unreachable
 from vllm_reloader import config, durable
 from vllm_reloader.checkpoint.files import INDEX_NAME
 from vllm_reloader.engine.client import RELOADING_PREFIX
-from vllm_reloader.service import state
+from vllm_reloader.service import state, status
 from vllm_reloader.tools.publish import publish
 
 
@@ -175,6 +175,41 @@ def test_daemon_reloads_a_checkpoint_hf_wrote_without_a_manifest(start, root, tm
     (target / INDEX_NAME).write_bytes(hf_index(shards))  # ...the index last
     running.wait_for("reload.succeeded", version="checkpoint-200")
     assert engine.loaded == str(target)
+
+
+def test_daemon_by_default_serves_an_hf_checkpoint_copied_in_and_says_what_one_waits_for(start, root):
+    write_weights(root / "checkpoint-100")
+    engine = FakeEngine(startup=str(root / "checkpoint-100"))
+    running = start(engine, settle_seconds=0.3)  # completeness: the default, auto
+    running.wait_for("engine.reconciled", version="checkpoint-100")
+    write_weights(root / "checkpoint-150", seed=1)  # cp -r of a save_pretrained directory
+    running.wait_for("reload.succeeded", version="checkpoint-150")
+    target = root / "checkpoint-200"
+    shards = write_weights(target, seed=2, shards=2)
+    waiting = running.wait_for("checkpoint.pending", name="checkpoint-200")
+    assert "no model.safetensors.index.json yet" in waiting["reason"]
+    pending = status.answer(running.daemon.snapshot())["pending"]
+    assert "model.safetensors.index.json" in pending["checkpoint-200"]
+    (target / INDEX_NAME).write_bytes(hf_index(shards))
+    running.wait_for("reload.succeeded", version="checkpoint-200")
+    assert engine.loaded == str(target)
+
+
+def test_daemon_says_once_that_a_copy_without_a_step_behind_a_stepped_version_will_not_load(
+    start, root, make_checkpoint
+):
+    make_checkpoint("step-100", step=100, root=root)
+    engine = FakeEngine(startup=str(root / "step-100"))
+    running = start(engine, settle_seconds=1.0)
+    running.wait_for("engine.reconciled", version="step-100")
+    (root / "step-101").mkdir()  # a writer that writes its manifest in place, last: not yet
+    write_weights(root / "checkpoint-500", seed=5)
+    said = running.wait_for("checkpoint.passed_over", name="checkpoint-500")
+    assert said["serving"] == "step-100" and "pin checkpoint-500" in said["fix"]
+    make_checkpoint("step-101", step=101, root=root, seed=1)
+    running.wait_for("reload.succeeded", version="step-101")
+    assert [e["name"] for e in running.events("checkpoint.passed_over")] == ["checkpoint-500"]
+    assert f"reload:{root / 'checkpoint-500'}" not in engine.calls
 
 
 def test_daemon_rolls_back_a_checkpoint_whose_canary_fails(start, root, tmp_path, make_checkpoint):

@@ -70,6 +70,7 @@ class Writers(RuleBasedStateMachine):
     def start(self, extension: bool) -> None:
         self.engine = FakeEngine(startup=str(self.root / "step-1"))
         self.engine.extension, self.engine.read_bytes = extension, True
+        (self.base / "state").mkdir(exist_ok=True)  # the daemon never makes it
         cfg = config.Config(
             source=config.SourceConfig(
                 path=str(self.root), pending_recheck_interval=0.05, rescan_interval=0.5

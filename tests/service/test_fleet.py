@@ -104,6 +104,7 @@ class Fleet:
         """A daemon in this process; its engine at http://<label>.test (events name it)."""
         rollout = config.RolloutConfig(role=role, host=host or label)  # type: ignore[arg-type]
         cfg = self.config(label, rollout, canary)
+        cfg.state.dir.mkdir(exist_ok=True)  # the daemon never makes it
         engine = FakeEngine(startup=str(self.startup))
         engine.garbage = BadSteps(set(bad_steps))
         url = cfg.engine.url

@@ -54,23 +54,37 @@ def test_service_sighup_swaps_valid_config_and_keeps_old_on_invalid(service):
     assert daemon.stop() == 0
 
 
-def test_service_sighup_with_a_path_that_cannot_be_made_keeps_the_old_config_and_runs_on(
+def test_service_sighup_with_a_missing_or_blocked_path_keeps_the_old_config_makes_nothing_and_runs_on(
     service, make_checkpoint
 ):
-    """`systemctl reload` with a typo'd `source.path` (or a `state.dir` under a file): before,
-    the old watcher was closed first and the daemon exited 2, which the unit keeps down."""
+    """`systemctl reload` with a typo'd `source.path` or `state.dir` (missing, or under a file):
+    the old config stays, nothing is made on the host, the daemon runs on. Before, a missing
+    one was made, and one under a file closed the old watcher first and exited 2."""
     start, _engine, notify, config, root = service
     daemon = start()
     notify.wait_for("READY=1")
     blocker = root.parent / "a-file"
     blocker.write_text("not a directory")
-    good = config.read_text()
-    config.write_text(good.replace(f'path = "{root}"', f'path = "{blocker / "checkpoints"}"'))
-    daemon.process.send_signal(signal.SIGHUP)
-    invalid = daemon.wait_for("config.invalid")
-    assert str(blocker) in str(invalid["reason"]) and invalid["kept"] == "previous config"
-    notify.wait_for("READY=1")
-    assert daemon.process.poll() is None, "still running"
+    good, typo = config.read_text(), root.parent / "typo"
+    source, state_dir = f'path = "{root}"', f'dir = "{root.parent / "s"}"'
+    missing = "no such directory; create it"
+    typos = [
+        (good.replace(source, f'path = "{typo / "root"}"'), "source.path", missing),
+        (good.replace(state_dir, f'dir = "{typo / "s"}"'), "state.dir", missing),
+        (good.replace(source, f'path = "{blocker / "checkpoints"}"'), "source.path", str(blocker)),
+    ]
+    for count, (text, key, says) in enumerate(typos, 1):
+        config.write_text(text)
+        daemon.process.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        while len(daemon.events("config.invalid")) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        invalid = daemon.events("config.invalid")[count - 1]
+        assert str(invalid["reason"]).startswith(key) and says in str(invalid["reason"]), invalid
+        assert invalid["kept"] == "previous config"
+        notify.wait_for("READY=1")
+        assert daemon.process.poll() is None, "still running"
+    assert not typo.exists()
     make_checkpoint("step-2", step=2, root=root)
     daemon.wait_for("reload.succeeded", version="step-2")  # the old root is still watched
     assert daemon.stop() == 0
@@ -210,8 +224,7 @@ def test_service_status_line_escapes_what_the_engine_or_a_writer_put_in_a_versio
 
 def test_service_starts_from_the_engine_when_the_state_file_is_corrupt(service, tmp_path):
     start, _engine, notify, _config, _root = service
-    (tmp_path / "s").mkdir()
-    (tmp_path / "s" / "state.json").write_text("{not json")
+    (tmp_path / "s" / "state.json").write_text("{not json")  # the fixture made the state dir
     daemon = start()
     notify.wait_for("READY=1")
     corrupt = daemon.wait_for("state.corrupt")

@@ -96,7 +96,6 @@ def test_state_file_of_the_previous_release_keeps_pin_rejections_and_history(
         "rejected": {"step-3": {"version": "step-3", "reason": "canary: NaN", "fingerprint": bad, "at": 2.0}},
         "pinned": "step-2",
     }
-    (tmp_path / "state").mkdir()
     (tmp_path / "state" / state.STATE_NAME).write_text(json.dumps(old))
     engine = FakeEngine(startup=str(root / "step-1"))
     engine.version, engine.loaded = "step-2", str(root / "step-2")
@@ -131,7 +130,6 @@ def test_state_of_the_previous_release_whose_serving_copy_was_replaced_loads_wha
     files = gate.check(x, serving=None).files
     old = {"name": "latest", "version": "latest", "path": str(x), "since": 1.0, "step": 5,
            "files": {k: list(v) for k, v in files.items()}}  # fmt: skip
-    (tmp_path / "state").mkdir()
     (tmp_path / "state" / state.STATE_NAME).write_text(json.dumps({"serving": old, "good": [old]}))
     shutil.rmtree(x)
     make_checkpoint("latest", step=5, root=root, seed=2)  # Y, in its place
@@ -215,6 +213,7 @@ def test_daemon_whose_state_file_cannot_be_read_exits_1_with_one_line(tmp_path, 
     from vllm_reloader.service.daemon import Daemon
 
     (tmp_path / "root").mkdir()
+    (tmp_path / "state").mkdir()
     state.save(tmp_path / "state", sample())
     path = tmp_path / "x.toml"
     path.write_text(

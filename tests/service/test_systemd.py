@@ -108,3 +108,23 @@ def test_systemd_reloader_unit_bounds_its_memory_and_says_why():
     for reason in ("download_concurrency x part_size", "digest_threads", "[gate] bounds", "Page cache"):
         assert reason in comment.replace("\n# ", " "), reason
     assert "Restart=on-failure" in text.splitlines()  # restarts after an OOM kill (on-abort would not)
+
+
+def test_the_units_paths_and_user_are_the_ones_the_readme_install_makes():
+    """A person following the README's production install gets what the units start."""
+    readme = (UNITS.parent / "README.md").read_text()
+    (install,) = [b for b in re.findall(r"```sh\n(.*?)```", readme, flags=re.S) if "useradd" in b]
+    for unit in ("vllm-reloader.service", "vllm.service"):
+        text = (UNITS / unit).read_text()
+        lines = [line for line in text.splitlines() if line.startswith(("ExecStart=", "ReadOnlyPaths="))]
+        paths = re.findall(r"(/(?:opt|etc|srv)/[^\s]+)", "\n".join(lines))
+        assert paths, unit
+        for path in paths:
+            parts = Path(path).parts  # ("/", "opt", "vllm", ".venv", "bin", "python")
+            made = [Path(*parts[:n]) for n in range(len(parts), 2, -1) if str(Path(*parts[:n])) in install]
+            assert made, f"{unit}: {path}: nothing in the README's install makes it"
+            rest = parts[len(made[0].parts) :]
+            venv_bin = rest in (("bin", "python"), ("bin", "vllm-reloader")) and made[0].name == ".venv"
+            assert not rest or venv_bin or (len(rest) == 1 and rest[0] in install), (unit, path)
+        (user,) = re.findall(r"^User=(\S+)$", text, flags=re.M)
+        assert re.search(rf"useradd .*\b{user}$", install, flags=re.M), (unit, user)

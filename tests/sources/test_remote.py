@@ -18,7 +18,8 @@ from tests.support.fake_engine import FakeEngine, FakeEngineServer
 from tests.support.store_fixtures import Bucket, new_bucket
 from vllm_reloader import config
 from vllm_reloader.checkpoint import completeness, gate, order, verified
-from vllm_reloader.checkpoint.completeness import Convention, DirectoryListing, Listed
+from vllm_reloader.checkpoint.completeness import DirectoryListing, Listed
+from vllm_reloader.checkpoint.conventions import Convention
 from vllm_reloader.checkpoint.files import INDEX_NAME
 from vllm_reloader.checkpoint.manifest import parse
 from vllm_reloader.service.control import Reply
@@ -271,6 +272,7 @@ def test_remote_version_written_by_publish_keeps_its_manifest_bytes(tmp_path, bu
 def remote_daemon(
     tmp_path: Path, bucket: Bucket, engine: FakeEngine, **state: Any
 ) -> tuple[Daemon, threading.Thread]:
+    (tmp_path / "state").mkdir(exist_ok=True)  # the daemon never makes it
     cfg = config.Config(
         source=config.SourceConfig(path=bucket.url, poll_interval=0.1, pending_recheck_interval=0.05),
         engine=config.EngineConfig(url="http://engine.test", retry_initial=0.05, retry_max=0.2),
@@ -397,6 +399,7 @@ def test_daemon_subprocess_with_wrong_credentials_logs_once_and_keeps_running(
     engine = FakeEngine(startup=str(tmp_path / "models" / "startup"))
     server = FakeEngineServer(engine)
     cfg = tmp_path / "daemon.toml"
+    (tmp_path / "state").mkdir()
     cfg.write_text(
         f'[source]\npath = "{bucket.url}"\npoll_interval = 0.1\n'
         f'[engine]\nurl = "{server.url}"\n[state]\ndir = "{tmp_path / "state"}"\n[log]\nformat = "json"\n'
@@ -446,6 +449,25 @@ def test_remote_hf_checkpoint_uploaded_shards_then_index(tmp_path, bucket: Bucke
     assert gate.check(placed, serving=None, options=options).status == "ready"
     local = completeness.candidate("checkpoint-300", DirectoryListing(placed), Convention("hf-index"))
     assert local.fingerprint == harness.source.seen["checkpoint-300"].fingerprint
+
+
+def test_remote_auto_fetches_a_trainer_checkpoint_once_trainer_state_is_there(tmp_path, bucket: Bucket):
+    directory = tmp_path / "hf" / "checkpoint-400"
+    shards = write_weights(directory, shards=2)
+    (directory / INDEX_NAME).write_bytes(hf_index(shards))
+    (directory / "optimizer.pt").write_bytes(b"\0" * 5000)
+    harness = foreign_harness(tmp_path, bucket, "auto")
+    bucket.upload_dir(directory, "checkpoint-400")
+    harness.source.poll()
+    assert harness.fetched() == [], "Trainer writes trainer_state.json last"
+    bucket.put("checkpoint-400/trainer_state.json", b'{"global_step": 400}')
+    harness.source.poll()
+    assert harness.fetched() == ["checkpoint-400"]
+    placed = harness.placed("checkpoint-400")
+    assert "optimizer.pt" not in {p.name for p in placed.iterdir()}
+    assert gate.check(placed, serving=None).status == "ready"
+    local = completeness.candidate("checkpoint-400", DirectoryListing(placed), Convention())
+    assert local.fingerprint == harness.source.seen["checkpoint-400"].fingerprint
 
 
 def test_remote_hf_shard_with_a_short_object_is_pending(tmp_path, bucket: Bucket):
@@ -516,6 +538,7 @@ def test_retention_never_deletes_a_downloaded_checkpoint_waiting_to_load(tmp_pat
         engine=config.EngineConfig(url="http://engine.test"),
         state=config.StateConfig(dir=tmp_path / "state", keep=0),
     )
+    cfg.state.dir.mkdir()
     reloader = Reloader(cfg, lambda _message: None, {"http://engine.test": FakeEngine().client()})
     for step in (1, 2, 3):
         make_checkpoint(f"step-{step}", step=step, root=cfg.checkpoint_root)

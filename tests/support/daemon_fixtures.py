@@ -56,6 +56,7 @@ def root(tmp_path: Path) -> Path:
 @pytest.fixture
 def start(tmp_path: Path, root: Path) -> Iterator[Callable[..., Running]]:
     threads: list[tuple[Daemon, threading.Thread]] = []
+    (tmp_path / "state").mkdir()  # as an operator would (the daemon never makes it); a test may fill it
 
     def run(
         engine: FakeEngine,

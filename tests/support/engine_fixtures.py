@@ -131,14 +131,16 @@ def start_engine(
 class DaemonProcess:
     """`vllm-reloader run` as a subprocess, its JSON log lines collected as they come."""
 
-    def __init__(self, config_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, config_path: Path, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> None:
         self.lines: list[dict[str, object]] = []
         self.raw: list[str] = []
         self._new: queue.SimpleQueue[None] = queue.SimpleQueue()
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_API_KEY": API_KEY, **(env or {})}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "vllm_reloader", "run", "--config", str(config_path), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, cwd=cwd,
         )  # fmt: skip
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -187,7 +189,10 @@ class DaemonProcess:
 def daemon_config(
     path: Path, *, root: Path, engine_url: str | list[str], state_dir: Path, engine_extra: str = ""
 ) -> Path:
-    """`engine_url`: one engine, or a list of several (`urls`); `engine_extra`: more `[engine]` lines."""
+    """`engine_url`: one engine, or a list of several (`urls`); `engine_extra`: more `[engine]` lines.
+    The root and the state dir are made here, as an operator would: the daemon never makes them."""
+    root.mkdir(parents=True, exist_ok=True)
+    state_dir.mkdir(parents=True, exist_ok=True)
     engines = (
         f'url = "{engine_url}"'
         if isinstance(engine_url, str)

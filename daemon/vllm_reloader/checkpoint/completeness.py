@@ -6,6 +6,19 @@ a `Listing`: names, sizes and times of the files, and their bytes on demand. A l
 directory (`DirectoryListing`) and an object-store listing (`sources.remote`) both provide
 one, so a checkpoint is judged the same wherever it sits.
 
+- `auto` (the default): whichever of these the checkpoint shows, in this order — our
+  `manifest.json`; a marker; HF Trainer's `trainer_state.json` (written last; a checkpoint
+  with Trainer's other files but not it yet waits for it); HF's index; a lone
+  `model.safetensors` whose header accounts for its size, once the directory has been quiet
+  for `settle_seconds` (save_pretrained and `cp` write it front to back; the quiet lets a
+  manifest written in place after it win). A downloader's partial file beside it
+  (`*.aria2`, `*.part`, ...) keeps it waiting; a writer that preallocates must publish
+  with a manifest, and one that writes our manifest in place, index and all, should set
+  `manifest`: its weights would otherwise load at the index, then again, verified, at the
+  manifest. Its content is the names and sizes of its weight files, index and config.json,
+  whichever rule applied: a tokenizer or trainer_state.json written after the weights does
+  not make it new content (weights rewritten in place at the same sizes are not new content
+  either: write a new directory). While no rule applies it has none (fingerprint "").
 - `manifest`: `manifest.json`, written last by `vllm-reloader publish` (or anyone).
 - `hf-index`: HF `save_pretrained` writes its shards, then `model.safetensors.index.json`
   (not atomically: a half-written index is pending). Every shard in its `weight_map` must
@@ -31,6 +44,14 @@ from typing import Literal, Protocol
 
 from ..errors import LayoutUnreadable, ManifestInvalid, NotJSONYet
 from . import order
+from .conventions import (
+    CONTENT_METADATA,
+    Convention,
+    resolved,
+    signal_name,
+    waiting_reason,
+    wanted,
+)
 from .files import (
     INDEX_NAME,
     SINGLE_NAME,
@@ -46,23 +67,8 @@ from .files import identity as identity_of
 from .manifest import MANIFEST_NAME, Manifest, ManifestFile
 from .manifest import parse as parse_manifest
 
-Mode = Literal["manifest", "hf-index", "marker"]
 MAX_LISTING_BYTES = 16 << 20
 """A completing file (manifest, index, marker) is read up to this size."""
-# Besides the weights, the small files a serving directory needs (config, tokenizer, chat
-# template). A trainer's optimizer state and RNG files are neither checked nor downloaded.
-METADATA_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
-UNFINISHED_SUFFIX = "-unfinished"
-"""NeMo writes `<name>-unfinished` next to a checkpoint it has not finished: `<name>` waits."""
-
-
-@dataclass(frozen=True)
-class Convention:
-    mode: Mode = "manifest"
-    markers: tuple[str, ...] = ("commit_success.txt", "_SUCCESS", "COMPLETE")
-    settle_seconds: float = 30.0
-    manifest_grace: float = 10.0
-    """How long an unparsable manifest or index may be mid-write before it is rejected."""
 
 
 @dataclass(frozen=True)
@@ -117,22 +123,6 @@ def fingerprint_of(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def wanted(name: str, convention: Convention) -> bool:
-    """Is this top-level file part of a foreign writer's checkpoint, as far as serving goes?"""
-    return name.endswith((WEIGHT_SUFFIX, *METADATA_SUFFIXES)) or name in convention.markers
-
-
-def signal_name(names: Collection[str], convention: Convention) -> str | None:
-    """The file whose arrival says a checkpoint is (or may be) complete, if it is there."""
-    if convention.mode == "manifest":
-        order_: tuple[str, ...] = (MANIFEST_NAME,)
-    elif convention.mode == "hf-index":
-        order_ = (INDEX_NAME, SINGLE_NAME)
-    else:
-        order_ = convention.markers
-    return next((name for name in order_ if name in names), None)
-
-
 def _wanted_files(listing: Listing, convention: Convention) -> dict[str, Entry]:
     return {n: e for n, e in listing.top().items() if e.regular and wanted(n, convention)}
 
@@ -142,11 +132,18 @@ def fingerprint(listing: Listing, convention: Convention) -> str:
     manifest's bytes. A foreign writer's: every wanted file's name and size, and the bytes
     of its index or marker — alike for a directory and a bucket, so a rejection made after
     a download is recognised before downloading again."""
-    if convention.mode == "manifest":
+    concrete = resolved(listing.top(), convention)
+    if concrete.mode == "manifest":
         return fingerprint_of(listing.whole(MANIFEST_NAME)) if MANIFEST_NAME in listing.top() else ""
+    if concrete.mode == "auto":
+        return ""  # nothing says it is complete yet: no content to remember it by
     files = _wanted_files(listing, convention)
+    if convention.mode == "auto":  # see the module's docstring
+        files = {n: e for n, e in files.items() if is_top_level_shard(n) or n in CONTENT_METADATA}
+        signal = None
+    else:
+        signal = signal_name(files, convention)
     parts = [f"{name}\0{entry.size}" for name, entry in sorted(files.items())]
-    signal = signal_name(files, convention)
     if signal is not None and signal != SINGLE_NAME:
         parts.append(listing.whole(signal).hex())
     return fingerprint_of("\n".join(parts).encode())
@@ -160,7 +157,7 @@ def candidate(name: str, listing: Listing, convention: Convention) -> order.Cand
     except OSError:
         return order.Candidate(name, None, "")
     step = None
-    if fp and convention.mode == "manifest":
+    if fp and resolved(listing.top(), convention).mode == "manifest":
         try:
             step = parse_manifest(listing.whole(MANIFEST_NAME)).step
         except (OSError, NotJSONYet, ManifestInvalid):
@@ -169,18 +166,24 @@ def candidate(name: str, listing: Listing, convention: Convention) -> order.Cand
 
 
 def describe(listing: Listing, convention: Convention, now: float) -> Listed | Incomplete:
-    if convention.mode == "manifest":
-        return _from_manifest(listing, convention, now)
+    concrete = resolved(listing.top(), convention)
+    if concrete.mode == "manifest":
+        return _from_manifest(listing, concrete, now)
     fp = fingerprint(listing, convention)
-    if convention.mode == "hf-index":
-        weights = _hf_weights(listing, convention, now, fp)
-    elif any(name in listing.top() for name in convention.markers):
-        weights = marked_weights(listing.top(), fp)
+    if concrete.mode == "hf-index":
+        weights = _hf_weights(listing, concrete, now, fp)
+    elif concrete.mode == "auto":
+        weights = Incomplete("pending", waiting_reason(listing.top()), fp)
+    elif any(name in listing.top() for name in concrete.markers):
+        # The marker says "judge now"; an index still says which shards (a copy may bring the
+        # marker before the last shard).
+        indexed = INDEX_NAME in listing.top()
+        weights = _hf_weights(listing, concrete, now, fp) if indexed else marked_weights(listing.top(), fp)
     else:
-        weights = Incomplete("pending", f"no completion marker ({', '.join(convention.markers)}) yet", fp)
+        weights = Incomplete("pending", f"no completion marker ({', '.join(concrete.markers)}) yet", fp)
     if isinstance(weights, Incomplete):
         return weights
-    return _from_headers(listing, convention, weights, fp)
+    return _from_headers(listing, concrete, weights, fp)
 
 
 def _from_manifest(listing: Listing, convention: Convention, now: float) -> Listed | Incomplete:

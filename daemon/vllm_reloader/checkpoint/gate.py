@@ -11,15 +11,15 @@ served and the clock; its verdict is data:
 - `pending`: may still be being written (no manifest yet, a file missing or short, a
   manifest that is not JSON yet, a file that changed while it was read), or a file the
   daemon may not read (`details["unreadable"]`: permissions get fixed); check again later.
-- `rejected`: can never become loadable as described; not retried unless the manifest
-  bytes change (`fingerprint`).
+- `rejected`: can never become loadable as described; not retried unless its content
+  (`fingerprint`: the manifest's bytes, or what `completeness` takes for a foreign writer's)
+  changes.
 
-What "whole" means depends on the writer (`completeness`: our manifest, HF's index, a
-marker file); a NeMo `<name>-unfinished` next to the directory holds it pending in any mode.
+"Whole" depends on the writer (`completeness`: our manifest, HF's index, a marker, `auto`);
+a NeMo `<name>-unfinished` next to the directory holds it pending in any mode.
 Checks run cheapest first: schema, paths, sizes, safetensors headers, layout, then one read
-of every byte for the digests and the NaN/Inf scan together (`scan`), which also warms the
-page cache right before the engine reads the same bytes. Any other error judging one
-checkpoint rejects that checkpoint (check `internal`); it never escapes.
+of every byte for the digests and the NaN/Inf scan together (`scan`), warming the page cache
+for the engine. Any other error rejects that checkpoint (check `internal`); none escapes.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ from typing import Literal
 
 from ..config import Config
 from ..errors import LayoutUnreadable, NotJSONYet
-from . import completeness, layout, scan, verified
-from .completeness import UNFINISHED_SUFFIX, Convention, DirectoryListing, Incomplete, Listing
+from . import completeness, conventions, layout, scan, verified
+from .completeness import DirectoryListing, Incomplete, Listing
+from .conventions import UNFINISHED_SUFFIX, Convention
 from .files import (
     INDEX_NAME,
     RACY_NS,
@@ -270,8 +271,7 @@ def _settled(directory: Path, options: GateOptions) -> DirectoryListing:
     """The listing, taken once no file's last change is within a timestamp tick of now."""
     listing = _Bounded(directory, options)
     newest = max((e.identity[4] for e in listing.top().values() if e.identity), default=0)
-    wait_ns = newest + RACY_NS - time.time_ns()
-    if wait_ns <= 0:
+    if (wait_ns := newest + RACY_NS - time.time_ns()) <= 0:
         return listing
     time.sleep(min(wait_ns, RACY_NS) / 1e9)
     return _Bounded(directory, options)
@@ -347,7 +347,8 @@ def _check(
         return _rejected(problem, manifest, fp, check="paths")
     if incomplete := completeness.check_files(listing, manifest):
         return _from_incomplete(incomplete, manifest, fp)
-    if options.convention.mode == "manifest" and (problem := _index_problem(listing, manifest)):
+    ours = conventions.resolved(listing.top(), options.convention).mode == "manifest"
+    if ours and (problem := _index_problem(listing, manifest)):
         return _rejected(problem, manifest, fp, check="paths")
     headers = _headers(directory, manifest, options)
     if isinstance(headers, str):
@@ -389,8 +390,8 @@ def _check(
 
 def _identities(listing: Listing, manifest: Manifest, convention: Convention) -> dict[str, Identity]:
     """Every listed file's identity, and that of the file that says it is complete."""
-    found = {}
-    signal = completeness.signal_name(listing.top(), convention)
+    found: dict[str, Identity] = {}
+    signal = conventions.signal_name(listing.top(), convention)
     for path in [item.path for item in manifest.files] + ([signal] if signal else []):
         entry = listing.entry(path)
         if entry is None or entry.identity is None:

@@ -15,8 +15,10 @@ from pathlib import Path
 from types import MappingProxyType
 
 from .. import log
-from ..checkpoint import completeness, order
-from ..checkpoint.completeness import Convention, DirectoryListing
+from ..checkpoint import completeness, conventions, order
+from ..checkpoint.completeness import DirectoryListing
+from ..checkpoint.conventions import Convention
+from ..checkpoint.files import SINGLE_NAME
 from ..checkpoint.manifest import MANIFEST_NAME
 from ..sources import cache, local
 from .reconcile import version_of
@@ -49,6 +51,9 @@ class Catalog:
         self.last_scan = 0.0
         self.skipped: set[str] = set()
         """Names that can never be candidates, warned about once."""
+        self.arrived: set[str] = set()
+        """Names that appeared while running (not at the first scan): each is said to be passed
+        over, once, if it orders before what serves (a copy with no step behind a stepped one)."""
         self.log = log.get()
 
     def configure(self, root: Path, ignore: Iterable[str], convention: Convention) -> None:
@@ -76,9 +81,12 @@ class Catalog:
                 continue
             if name not in self.candidates:
                 self.log.info("checkpoint.seen", name=name, path=str(directory))
+                if self.last_scan:
+                    self.arrived.add(name)
             self.candidates[name] = _peek(name, directory, self.convention)
 
     def forget(self, name: str) -> None:
+        self.arrived.discard(name)
         self.candidates.pop(name, None)
         self.pending.pop(name, None)
         self.recheck_at.pop(name, None)
@@ -120,9 +128,40 @@ class Catalog:
             worth = [] if skip or pinned is None else [pinned]
         else:
             worth = order.to_try(self.candidates, serving=serving_key, rejected=rejected)
+            self._say_passed_over(worth, serving_key)
         names = {c.name for c in worth}
         self.pending = {n: reason for n, reason in self.pending.items() if n in names}
         return worth
+
+    def _say_passed_over(self, worth: Sequence[order.Candidate], serving: order.Serving) -> None:
+        """A checkpoint copied in that will never load by itself is said once, with what to do."""
+        self.arrived -= {c.name for c in worth}  # newer than what served when it came: not passed over
+        for name in sorted(self.arrived):
+            found = self.candidates.get(name)
+            if found is None or name == serving.name or not self._complete(name):
+                continue
+            self.arrived.discard(name)
+            if found.fingerprint in self.rejected_view.get(found.base, ()):
+                continue
+            self.log.info(
+                "checkpoint.passed_over",
+                name=name,
+                serving=serving.name,
+                reason="not newer than what serves: checkpoints order by manifest step, then name, "
+                "and one without a step sorts before every stepped one",
+                fix=f"`vllm-reloader pin {name}` loads it; or publish it with --step",
+            )
+
+    def _complete(self, name: str) -> bool:
+        """Whether a writer is done with it, as far as its listing shows (a writer of our
+        manifest in place has not written it yet while its weights are there)."""
+        try:
+            listing = DirectoryListing(self.root / name)
+            signal = conventions.signal_name(listing.top(), self.convention)
+            quiet = time.time() - listing.last_change() >= self.convention.settle_seconds
+        except OSError:
+            return False
+        return signal is not None and (signal != SINGLE_NAME or quiet)
 
     def _dated(self, serving: order.Serving) -> order.Serving:
         """`serving` with the time its copy was placed, when it is in the root."""
@@ -178,8 +217,11 @@ class Catalog:
         self.rejected_view = _fingerprints(self.rejected)
         return dict(name=name, version=version, fingerprint=fingerprint, reason=reason, **details)
 
-    def pin(self, name_or_version: str | None) -> str | None:
-        """An operator's pin (None: unpin), by directory name or version; returns an error."""
+    def pin(self, name_or_version: str | None, *, force: bool = False) -> str | None:
+        """An operator's pin (None: unpin), by directory name or version; returns an error. A
+        rejected content is refused (it would never load: the pin would hold the engine still
+        for nothing) unless `force`: then its rejection is forgotten, so the gate and the canary
+        check judge it again (and it is rejected again if it fails again)."""
         if name_or_version is None:
             self.log.info("control.unpinned", name=self.pinned)
             self.pinned = None
@@ -190,9 +232,36 @@ class Catalog:
         if len(matches) > 1:
             return f"version {name_or_version!r} names {', '.join(matches)}: pin one of them by that name"
         match = matches[0]
-        self.log.info("control.pinned", name=match)
+        rejected = self.rejection_of(match)
+        if rejected is not None and not force:
+            return f"{match} was rejected: {rejected}; `pin --force` tries it again"
+        if rejected is not None:
+            self._forget_rejection(self.candidates[match])
+        self.log.info(
+            "control.pinned", name=match, forced=force, **({"rejected": rejected} if rejected else {})
+        )
         self.pinned = match
         return None
+
+    def rejection_of(self, name: str) -> str | None:
+        """Why the candidate's current content was rejected; None: it was not (`pin`, `status`)."""
+        candidate = self.candidates.get(name)
+        rejection = None if candidate is None else self.rejected.get(candidate.base)
+        if candidate is None or rejection is None or not candidate.fingerprint:
+            return None
+        if candidate.fingerprint == rejection.fingerprint:
+            return rejection.reason
+        return REASON_NOT_KEPT if candidate.fingerprint in rejection.earlier else None
+
+    def _forget_rejection(self, candidate: order.Candidate) -> None:
+        """The name's other rejected contents stay rejected."""
+        rejection = self.rejected.pop(candidate.base)
+        rest = tuple(fp for fp in (rejection.fingerprint, *rejection.earlier) if fp != candidate.fingerprint)
+        if rest:
+            reason = rejection.reason if rest[0] == rejection.fingerprint else REASON_NOT_KEPT
+            update = {"fingerprint": rest[0], "earlier": rest[1:], "reason": reason}
+            self.rejected[candidate.base] = rejection.model_copy(update=update)
+        self.rejected_view = _fingerprints(self.rejected)
 
     def find(self, name_or_version: str) -> list[str]:
         """Candidates by directory name, else by manifest version (for `pin`), after a rescan:
@@ -205,6 +274,8 @@ class Catalog:
 
 REJECTED_PER_NAME = 8
 """Rejected contents remembered per name (a trainer rewriting one name keeps it bounded)."""
+REASON_NOT_KEPT = "rejected before (its reason was not kept)"
+"""A name keeps the reason of its newest rejected content only."""
 
 
 def _fingerprints(rejected: Mapping[str, Rejection]) -> Mapping[str, frozenset[str]]:

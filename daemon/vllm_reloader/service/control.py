@@ -12,6 +12,7 @@ Access is the socket's file mode (0660): whoever may write to it may steer the d
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import queue
@@ -109,7 +110,6 @@ class ControlServer:
                 f"control.socket {path}: longer than the {MAX_PATH_BYTES} bytes a unix socket path may have"
             )
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
             path.unlink(missing_ok=True)
             self._server = _Server(str(path), Handler)
             os.chmod(path, 0o660)
@@ -161,7 +161,7 @@ def call(path: Path, command: str, **fields: Any) -> dict[str, Any]:
                     break
                 data += chunk
     except OSError as exc:
-        raise ControlError(f"cannot reach the daemon at {path}: {exc.strerror or exc}") from exc
+        raise ControlError(unreachable(path, exc)) from exc
     try:
         answer = json.loads(data)
     except ValueError as exc:
@@ -169,3 +169,20 @@ def call(path: Path, command: str, **fields: Any) -> dict[str, Any]:
     if not isinstance(answer, dict):
         raise ControlError(f"{path}: unexpected answer")
     return answer
+
+
+NOT_RUNNING = (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR)
+"""No socket, or nobody listening on it: no daemon runs with this config's socket."""
+NOT_ALLOWED = (errno.EACCES, errno.EPERM)
+
+
+def unreachable(path: Path, exc: OSError) -> str:
+    """One line that says what to check: an operator meets this before any daemon log."""
+    if isinstance(exc, TimeoutError):
+        return f"the daemon at {path} did not answer in {ANSWER_TIMEOUT + 5:.0f} s (is it stuck? see its log)"
+    said = f"cannot reach the daemon at {path}: {exc.strerror or exc}"
+    if exc.errno in NOT_RUNNING:
+        return f"{said} (is vllm-reloader running with this --config?)"
+    if exc.errno in NOT_ALLOWED:
+        return f"{said} (is your user in the daemon's group? the socket is mode 0660)"
+    return f"{said} (is vllm-reloader running with this --config? is your user in its group?)"

@@ -27,7 +27,7 @@ from ..errors import ConfigError
 from ..sources import local
 from ..sources.remote import RemoteSource
 from ..sources.verdicts import Verdict
-from . import fleet, status
+from . import fleet, paths, status
 from .control import ControlServer, Request
 from .messages import (
     Answered,
@@ -75,7 +75,7 @@ class Daemon:
         self.stop = threading.Event()
         self.log = log.get()
         self.notifier = notifier or Notifier()
-        _make_root(config)
+        paths.check(config)  # before the state file is read or the socket made
         made = {config.engine.url: client} if client else {}
         self.reloader = Reloader(config, self.inbox.put, {**made, **(clients or {})}, self._verdict)
         self.watcher = self._make_watcher(config)
@@ -286,7 +286,7 @@ class Daemon:
             return {"ok": True, **status.answer(self.snapshot())}
         error = None
         if command == "pin":
-            error = self.reloader.pin(str(request.get("version", "")))
+            error = self.reloader.pin(str(request.get("version", "")), force=request.get("force") is True)
         elif command == "unpin":
             self.reloader.unpin()
         self.reloader.check_now()
@@ -315,6 +315,7 @@ class Daemon:
             if self.config_path is None:
                 raise ConfigError("no config file to re-read")
             new = config_mod.load(self.config_path)
+            paths.check(new)  # the directories it names, as at start, whatever changed
         except ConfigError as exc:
             self.log.error("config.invalid", reason=str(exc), kept="previous config")
             self.notifier.ready(status.line(self.snapshot()))
@@ -328,7 +329,6 @@ class Daemon:
             remote = watcher = None
             try:  # every new part built (the watcher started) before any old one is closed
                 remote = self._make_remote(new)
-                _make_root(new)
                 watcher = self._make_watcher(new)
                 watcher.start()  # inotify watches are made here: a limit or a permission fails now
             except (ConfigError, OSError) as exc:
@@ -351,13 +351,3 @@ class Daemon:
         self.reloader.reconfigure(new)
         self.log.info("config.reloaded", path=str(self.config_path))
         self.notifier.ready(status.line(self.snapshot()))
-
-
-def _make_root(config: Config) -> None:
-    root = config.checkpoint_root
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except FileExistsError as exc:
-        raise ConfigError(f"source.path {root}: exists and is not a directory") from exc
-    except OSError as exc:
-        raise ConfigError(f"source.path {root}: cannot create it: {exc.strerror or exc}") from exc

@@ -101,7 +101,8 @@ class Engine:
         *,
         detect_ms: float | None,
     ) -> None:
-        """Hand a reload (and its canary) to this engine's reload thread."""
+        """Hand a reload (and its canary) to this engine's reload thread. `detect_ms`: how long
+        a new checkpoint took to be found (None, and not logged, for what was not just found)."""
         served = self.served
         strategy = config.engine.strategy
         if strategy == "auto":
@@ -112,7 +113,7 @@ class Engine:
             path=loading.path,
             bytes=size,
             from_version=served.serving.version if served.serving else None,
-            detect_ms=detect_ms,
+            **({} if detect_ms is None else {"detect_ms": detect_ms}),
             strategy=strategy,
             loader="extension" if served.extension else "builtin",
         )
@@ -143,7 +144,7 @@ class Engine:
         self.metrics.engine_up.labels(engine=self.url).set(1)
 
     def went_down(self, exc: EngineError, retry_max: float) -> None:
-        wait = self.served.went_down(time.monotonic(), retry_max)
+        wait = self.served.went_down(time.monotonic(), retry_max, str(exc))
         self.metrics.engine_up.labels(engine=self.url).set(0)
         self.log.warning(
             "engine.unreachable" if isinstance(exc, EngineUnavailable) else "engine.error",

@@ -145,24 +145,28 @@ class Engines:
         self.all = regrouped
 
     def views(self, want: Loaded | None, pinned: str | None, now: float) -> tuple[status.EngineView, ...]:
-        return tuple(
-            status.EngineView(
-                url=e.url,
-                version=e.served.serving.version if e.served.serving else None,
-                fingerprint=e.served.serving.fingerprint or None if e.served.serving else None,
-                state=rollout.state(
-                    up=e.served.up,
-                    busy=e.in_flight is not None,
-                    serving=e.served.serving,
-                    want=want,
-                    pinned=pinned,
-                ),
-                reachable=e.served.up,
-                last_reload=e.served.last_reload,
-                last_error=e.last_error,
-                retry_in_s=round(max(0.0, e.retry_at_follow - now), 1) if e.last_error else None,
-            )
-            for e in self.all
+        return tuple(self._view(e, want, pinned, now) for e in self.all)
+
+    @staticmethod
+    def _view(e: Engine, want: Loaded | None, pinned: str | None, now: float) -> status.EngineView:
+        """What fails there now: why the engine did not answer, else why its last reload failed."""
+        down = e.served.down_reason if not e.served.up else None
+        retry_at = e.served.retry_at if down else e.retry_at_follow if e.last_error else None
+        return status.EngineView(
+            url=e.url,
+            version=e.served.serving.version if e.served.serving else None,
+            fingerprint=e.served.serving.fingerprint or None if e.served.serving else None,
+            state=rollout.state(
+                up=e.served.up,
+                busy=e.in_flight is not None,
+                serving=e.served.serving,
+                want=want,
+                pinned=pinned,
+            ),
+            reachable=e.served.up,
+            last_reload=e.served.last_reload,
+            last_error=down or e.last_error,
+            retry_in_s=None if retry_at is None else round(max(0.0, retry_at - now), 1),
         )
 
     def same_layout(self, engine: Engine) -> None:

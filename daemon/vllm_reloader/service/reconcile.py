@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ..checkpoint import completeness, order
-from ..checkpoint.completeness import Convention, DirectoryListing
+from ..checkpoint.completeness import DirectoryListing
+from ..checkpoint.conventions import Convention
 from ..checkpoint.files import changed, read_small
 from ..checkpoint.manifest import MANIFEST_NAME
 from ..checkpoint.manifest import parse as parse_manifest

@@ -219,9 +219,9 @@ class Reloader:
 
     # -- the control socket's commands (called on the main loop) -----------------------------
 
-    def pin(self, name: str) -> str | None:
+    def pin(self, name: str, *, force: bool = False) -> str | None:
         """Pin a checkpoint by directory name or version; returns an error, or None."""
-        error = self.catalog.pin(name)
+        error = self.catalog.pin(name, force=force)
         self._persist()
         return error
 
@@ -355,8 +355,11 @@ class Reloader:
 
     def _load(self, engine: Engine, candidate: order.Candidate, loading: Loaded, size: int) -> None:
         fallback = self._rollback_target(engine, skip=candidate.name)
-        lag_ms = detection_lag_ms(Path(loading.path))
-        if lag_ms is not None and candidate.fingerprint:  # not for restores of old checkpoints
+        # Detection is of a new checkpoint: a restore, a follower or a pin loads what was found
+        # long before (a pin's manifest may be days old), so its lag is not measured.
+        found = bool(candidate.fingerprint) and candidate.name != self.catalog.pinned
+        lag_ms = detection_lag_ms(Path(loading.path)) if found else None
+        if lag_ms is not None:
             self.metrics.detection_lag.observe(lag_ms / 1000)
         engine.load(candidate, loading, size, fallback, self.config, detect_ms=lag_ms)
 

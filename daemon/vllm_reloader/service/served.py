@@ -45,6 +45,8 @@ class Served:
     reconciled: bool = False
     """False until the daemon learned what the engine serves (and again after it went away)."""
     up: bool = False
+    down_reason: str | None = None
+    """Why it did not answer the last time (shown in `status` until it answers)."""
     resume_owed: bool = False
     """A resume failed: the loop retries it until the engine answers."""
     retry_at: float = 0.0
@@ -63,16 +65,17 @@ class Served:
         (nothing, when it is outside the root: all are newer)."""
         return serving_of(self.serving, self.good)
 
-    def went_down(self, now: float, retry_max: float) -> float:
+    def went_down(self, now: float, retry_max: float, reason: str | None = None) -> float:
         """It did not answer: reconcile again after a backoff; returns the wait."""
         self.reconciled = self.up = False
+        self.down_reason = reason
         wait = self.backoff
         self.retry_at = now + wait
         self.backoff = min(self.backoff * 2, retry_max)
         return wait
 
     def answered(self, now: float, check_interval: float) -> None:
-        self.up = True
+        self.up, self.down_reason = True, None
         self.next_check = now + check_interval
 
     @property

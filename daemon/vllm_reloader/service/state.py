@@ -152,9 +152,10 @@ def load_or_set_aside(directory: Path, log: Any = None) -> tuple[State, Path | N
 
 
 def save(directory: Path, state: State) -> None:
-    """Written atomically: a crash leaves the old file or the new one, never half."""
+    """Written atomically: a crash leaves the old file or the new one, never half. `directory`
+    is never created: the daemon checked it at start (`paths.check`), and one gone since is
+    said (`state.write_failed`), not silently made again."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
         replace_atomically(directory / STATE_NAME, state.model_dump_json(indent=1).encode())
     except OSError as exc:
         raise StateError(f"cannot write {directory / STATE_NAME}: {exc.strerror}") from exc

@@ -29,7 +29,8 @@ class EngineView:
     reachable: bool
     last_reload: Mapping[str, Any] | None = None
     last_error: str | None = None
-    """Why the last reload here failed; it is retried in `retry_in_s`."""
+    """What fails here now: why the engine did not answer (while not `reachable`), else why the
+    last reload here failed; it is tried again in `retry_in_s`."""
     retry_in_s: float | None = None
     fingerprint: str | None = None
     """Which content of `version` it holds (two may share a version name)."""
@@ -66,6 +67,8 @@ class Snapshot:
     source_url: str | None = None
     """An object-store source; then `source_failing` says what fails now."""
     source_failing: Mapping[str, str] = field(default_factory=dict)
+    pinned_rejected: str | None = None
+    """Why the pinned content was rejected: it is not loaded while the pin holds."""
 
 
 def snapshot_of(
@@ -90,6 +93,7 @@ def snapshot_of(
         rejected=dict(sorted(catalog.rejected.items())),
         engines=engines,
         last_scan=catalog.last_scan,
+        pinned_rejected=catalog.rejection_of(catalog.pinned) if catalog.pinned else None,
     )
 
 
@@ -109,6 +113,7 @@ def printable(text: object) -> str:
 
 
 def answer(snapshot: Snapshot) -> dict[str, Any]:
+    first = snapshot.engines[0].answer()
     found: dict[str, Any] = {
         "serving": snapshot.serving.model_dump() if snapshot.serving else None,
         "last_good": snapshot.last_good.model_dump() if snapshot.last_good else None,
@@ -117,9 +122,10 @@ def answer(snapshot: Snapshot) -> dict[str, Any]:
         "reloading": snapshot.reloading,
         "gating": dict(snapshot.gating) if snapshot.gating else None,
         "pinned": snapshot.pinned,
+        "pinned_rejected": snapshot.pinned_rejected,
         "pending": dict(snapshot.pending),
         "rejected": {name: r.model_dump() for name, r in snapshot.rejected.items()},
-        "engine": {"url": snapshot.engines[0].url, "reachable": snapshot.engines[0].reachable},
+        "engine": {key: first[key] for key in ("url", "reachable", "last_error", "retry_in_s")},
         "engines": [engine.answer() for engine in snapshot.engines],
     }
     if snapshot.source_url is not None:
@@ -166,8 +172,21 @@ def _engine_line(engine: dict[str, Any]) -> str:
     if last := engine.get("last_reload"):
         line += f"  last {last['version']} {_ago(last['at'])} ago"
     if engine.get("last_error"):
-        line += f"  FAILED: {engine['last_error']} (retry in {engine['retry_in_s']:.0f} s)"
+        line += f"  FAILED: {engine['last_error']}{_retry(engine)}"
     return line
+
+
+def _retry(engine: dict[str, Any]) -> str:
+    return "" if engine.get("retry_in_s") is None else f" (retry in {engine['retry_in_s']:.0f} s)"
+
+
+def _pinned(answer: dict[str, Any]) -> str:
+    if rejected := answer.get("pinned_rejected"):
+        return (
+            f"pinned    {answer['pinned']}  REJECTED: {rejected}; not loaded "
+            "(`vllm-reloader unpin` resumes, `pin --force` tries it again)"
+        )
+    return f"pinned    {answer['pinned']}  (not auto-advancing; `vllm-reloader unpin` resumes)"
 
 
 def _content(rejection: dict[str, Any]) -> str:
@@ -188,19 +207,22 @@ def render(answer: dict[str, Any]) -> str:
     else:
         lines.append("serving   (unknown: waiting for the engine)")
     engine = answer.get("engine", {})
-    lines.append(
-        f"engine    {engine.get('url')}  {'reachable' if engine.get('reachable') else 'UNREACHABLE'}"
-    )
+    reachable = "reachable" if engine.get("reachable") else "UNREACHABLE"
+    if not engine.get("reachable") and engine.get("last_error"):
+        reachable += f": {engine['last_error']}{_retry(engine)}"
+    lines.append(f"engine    {engine.get('url')}  {reachable}")
     engines = answer.get("engines", [])
     if len(engines) > 1:
         lines.extend(_engine_line(e) for e in engines)
     if answer.get("serving") and "rollback" in answer:
         back = answer["rollback"]
-        lines.append(
-            f"rollback  {back}" if back else "rollback  NONE: no intact good checkpoint to go back to"
+        lines.append(  # the target, not a rollback that happened: "to", "if a reload fails"
+            f"rollback  to {back} if a reload fails"
+            if back
+            else "rollback  NONE: a failed reload has no intact good checkpoint to go back to"
         )
     if answer.get("pinned"):
-        lines.append(f"pinned    {answer['pinned']}  (not auto-advancing; `vllm-reloader unpin` resumes)")
+        lines.append(_pinned(answer))
     if answer.get("reloading"):
         lines.append(f"reloading {answer['reloading']}")
     if gating := answer.get("gating"):

@@ -24,8 +24,10 @@ class BucketListing:
         objects: Mapping[str, Object],
         completing: Mapping[str, bytes],
         header_size: Callable[[str, Object], int | None],
+        fetch: Callable[[str], bytes] | None = None,
     ) -> None:
-        self.objects, self.completing, self.header_size = objects, completing, header_size
+        self.objects, self.completing, self.header_size = objects, dict(completing), header_size
+        self.fetch = fetch
 
     def top(self) -> Mapping[str, Entry]:
         return {k: Entry(o.size, o.modified) for k, o in self.objects.items() if "/" not in k}
@@ -35,6 +37,12 @@ class BucketListing:
         return None if found is None else Entry(found.size, found.modified)
 
     def whole(self, name: str) -> bytes:
+        """The completing object's bytes, or another small one's (an index beside a marker),
+        fetched once; one over MAX_LISTING_BYTES reads as empty, which is not JSON."""
+        if name not in self.completing and self.fetch is not None:
+            found = self.objects.get(name)
+            small = found is not None and found.size <= MAX_LISTING_BYTES
+            self.completing[name] = self.fetch(name) if small else b""
         return self.completing[name]
 
     def shard_size(self, name: str) -> int | None:
@@ -79,7 +87,7 @@ class HeaderSizes:
                 self.known[key] = size
             return self.known[key]
 
-        return BucketListing(objects, completing, header_size)
+        return BucketListing(objects, completing, header_size, lambda key: self.store.get(f"{name}/{key}")[0])
 
 
 def by_head(store: Store, name: str) -> dict[str, Object]:

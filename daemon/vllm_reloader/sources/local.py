@@ -21,7 +21,7 @@ from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 from watchdog.observers.polling import PollingObserver
 
-from ..checkpoint.completeness import UNFINISHED_SUFFIX
+from ..checkpoint.conventions import UNFINISHED_SUFFIX
 
 # Names trainers write while a checkpoint is not done yet, never candidates themselves
 # (dot-directories neither): Orbax's temporary directories, HF Trainer's, partial files, and

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import log
-from ..checkpoint import completeness, order, verified
+from ..checkpoint import completeness, conventions, order, verified
 from ..checkpoint.completeness import MAX_LISTING_BYTES, DirectoryListing, Incomplete, Listed
 from ..checkpoint.files import SINGLE_NAME
 from ..checkpoint.manifest import Manifest
@@ -108,7 +108,7 @@ class RemoteSource:
         self.pending: dict[str, str] = {}
         self.rejected_here: dict[str, set[str]] = {}
         # A listed object is whole: no grace for a manifest or index that is not JSON.
-        convention = completeness.Convention(
+        convention = conventions.Convention(
             mode=config.source.completeness,
             markers=config.source.markers,
             settle_seconds=config.source.settle_seconds,
@@ -283,7 +283,7 @@ class RemoteSource:
         if self.bad_keys.get(name) != problem:
             self.bad_keys[name] = problem
             self.log.warning("source.bad_key", name=name, reason=problem)
-        return by_head(self.store, name) if self.convention.mode == "manifest" else {}
+        return by_head(self.store, name) if self.convention.mode in ("manifest", "auto") else {}
 
     def _listing(self, name: str, objects: Mapping[str, Object], signal: str, data: bytes) -> BucketListing:
         return self.headers.listing(name, objects, {} if signal == SINGLE_NAME else {signal: data})
@@ -294,7 +294,7 @@ class RemoteSource:
         for name in set(self.seen) - set(by_name):
             del self.seen[name]
         for name, objects in by_name.items():
-            signal = completeness.signal_name([k for k in objects if "/" not in k], self.convention)
+            signal = conventions.signal_name([k for k in objects if "/" not in k], self.convention)
             if signal is None:
                 self.seen.pop(name, None)
                 continue

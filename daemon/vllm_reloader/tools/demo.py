@@ -120,11 +120,45 @@ def _served_model(url: str) -> tuple[str, Path]:
     return str(models[0]["id"]), Path(info["vllm_config"]["model_config"]["model"])
 
 
+SHOWN = {
+    "engine.reconciled": ("version", "vllm_version"),
+    "checkpoint.seen": ("name",),
+    "checkpoint.pending": ("name", "reason"),
+    "checkpoint.ready": ("version", "bytes", "gate_ms"),
+    "checkpoint.rejected": ("name", "check", "reason"),
+    "reload.started": ("version", "from_version", "strategy", "loader"),
+    "reload.succeeded": ("version", "duration_ms", "gb_per_s"),
+    "reload.rolled_back": ("version", "to_version", "cause", "reason"),
+}
+"""The fields worth a newcomer's eye, per event; any other event shows its fields but these."""
+NOT_SHOWN = frozenset({"event", "level", "timestamp", "engine", "load"})
+
+
+def brief(event: dict[str, Any]) -> str:
+    """One event, whole, in a short readable form: its name, then `key=value` for the fields
+    that matter (every field, for an event not in `SHOWN`)."""
+    keys = SHOWN.get(str(event.get("event")), [k for k in event if k not in NOT_SHOWN])
+    fields = " ".join(f"{k}={_shown(event[k])}" for k in keys if event.get(k) is not None)
+    return f"{event.get('event', '?'):<20} {fields}".rstrip()
+
+
+def warm_up(event: dict[str, Any]) -> str:
+    """`engine.warmed` for the summary: paid once after the engine starts, not by the reload."""
+    problem = f" ({event['problem']})" if event.get("problem") else ""
+    return f"engine warm-up, once after start (not part of the reload): {float(event['ms']):.0f} ms{problem}"
+
+
+def _shown(value: object) -> str:
+    return value if isinstance(value, str) and value and " " not in value else json.dumps(value)
+
+
 class _Events:
     """The daemon's JSON log lines, read on a thread so that waiting for one has a deadline."""
 
     def __init__(self, daemon: subprocess.Popen[str]) -> None:
         self._lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self.warm_up: dict[str, Any] | None = None
+        """`engine.warmed`, held back: the engine's first request, not part of a reload."""
         threading.Thread(target=self._read, args=(daemon,), daemon=True).start()
 
     def _read(self, daemon: subprocess.Popen[str]) -> None:
@@ -147,8 +181,10 @@ class _Events:
                 event = json.loads(line)
             except ValueError:
                 continue
-            fields = {k: v for k, v in event.items() if k not in ("event", "level", "timestamp")}
-            _say(f"  {event['event']:<22} {json.dumps(fields)[:160]}")
+            if event.get("event") == "engine.warmed":
+                self.warm_up = event
+                continue
+            _say(f"  {brief(event)}")
             if event["event"] == until and version in (None, event.get("version")):
                 return dict(event)
             if event["event"] == "reload.failed":
@@ -168,6 +204,8 @@ def run(engine_url: str | None = None, keep: bool = False) -> int:
     try:
         with _engine(engine_url, base, root, staging, write_checkpoint) as (url, model, engine_start_s, new):
             config = base / "daemon.toml"
+            root.mkdir(exist_ok=True)  # as the quick start says to: the daemon makes neither
+            (base / "state").mkdir()
             config.write_text(
                 f'[source]\npath = "{root}"\n[engine]\nurl = "{url}"\n'
                 f'[state]\ndir = "{base / "state"}"\n[log]\nformat = "json"\n'
@@ -192,6 +230,8 @@ def run(engine_url: str | None = None, keep: bool = False) -> int:
                 _say(f"  engine start on the same model: {engine_start_s:.1f} s "
                      f"({engine_start_s / reload_s:.0f}x the reload)")  # fmt: skip
             _say(f"  answer changed: {before != after}")
+            if events.warm_up is not None:  # apart: it may run beside the reload, never in it
+                _say(f"  {warm_up(events.warm_up)}")
     finally:
         if keep:
             _say(f"kept {base}")

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import blake3
 
+from ..checkpoint.files import is_top_level_shard
 from ..checkpoint.manifest import MANIFEST_NAME, Manifest, ManifestFile, dumps
 from ..durable import fsync_dir, write_synced
 from ..errors import PublishError
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     pass
 
 COPY_CHUNK = 8 << 20
+OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt")
+"""Weights in a format the reload cannot take (pickled torch), named when no safetensors is there."""
 
 
 def default_name(src: Path, step: int | None) -> str:
@@ -42,6 +45,14 @@ def source_files(src: Path) -> list[Path]:
     )
     if not files:
         raise PublishError(f"{src}: no files to publish")
+    names = [p.relative_to(src).as_posix() for p in files]
+    if not any(is_top_level_shard(name) for name in names):  # the gate would reject it: say so now
+        others = [name for name in names if name.endswith(OTHER_WEIGHTS)]
+        found = f" (found {', '.join(others[:3])}{', …' if len(others) > 3 else ''})" if others else ""
+        raise PublishError(
+            f"{src}: no .safetensors weights{found}, and the engine is reloaded from safetensors "
+            "only: save with safetensors (save_pretrained(..., safe_serialization=True)) or convert them"
+        )
     return files
 
 

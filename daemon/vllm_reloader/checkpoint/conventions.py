@@ -1,0 +1,112 @@
+"""Which convention says a checkpoint is whole: the writers' files and their order, no I/O.
+
+`completeness` reads a checkpoint by the convention `resolved` picks; `auto` picks whichever
+the files show (see `completeness`'s docstring for what each one requires).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from .files import INDEX_NAME, SINGLE_NAME, WEIGHT_SUFFIX, is_top_level_shard
+from .manifest import MANIFEST_NAME
+
+Mode = Literal["auto", "manifest", "hf-index", "marker"]
+# Besides the weights, the small files a serving directory needs (config, tokenizer, chat
+# template). A trainer's optimizer state and RNG files are neither checked nor downloaded.
+METADATA_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
+TRAINER_STATE = "trainer_state.json"
+"""HF Trainer writes it last into `checkpoint-N`, after the weights, optimizer and RNG state."""
+TRAINER_FILES = ("optimizer.pt", "scheduler.pt", "rng_state.pth")
+"""Trainer's checkpoint files written before `trainer_state.json` (with `rng_state_<rank>.pth`
+on several GPUs): their presence means it will come. Not `training_args.bin`, which
+`save_model()` also writes, with no trainer_state.json ever after."""
+DOWNLOADING_SUFFIXES = (".aria2", ".part", ".partial", ".incomplete", ".tmp", ".crdownload")
+"""A downloader's files beside a checkpoint it has not finished (some preallocate the target)."""
+CONTENT_METADATA = (INDEX_NAME, "config.json")
+"""`auto`: besides the weights, the files whose sizes are part of a foreign checkpoint's
+content (a rejection for a bad config.json or index is retried once either is fixed)."""
+UNFINISHED_SUFFIX = "-unfinished"
+"""NeMo writes `<name>-unfinished` next to a checkpoint it has not finished: `<name>` waits."""
+
+
+@dataclass(frozen=True)
+class Convention:
+    mode: Mode = "auto"
+    markers: tuple[str, ...] = ("commit_success.txt", "_SUCCESS", "COMPLETE")
+    settle_seconds: float = 30.0
+    manifest_grace: float = 10.0
+    """How long an unparsable manifest or index may be mid-write before it is rejected."""
+
+    def with_mode(self, mode: Mode) -> Convention:
+        return replace(self, mode=mode)
+
+
+def wanted(name: str, convention: Convention) -> bool:
+    """Is this top-level file part of a foreign writer's checkpoint, as far as serving goes?"""
+    return name.endswith((WEIGHT_SUFFIX, *METADATA_SUFFIXES)) or name in convention.markers
+
+
+def resolved(names: Collection[str], convention: Convention) -> Convention:
+    """`auto`: the convention these files follow (`auto` itself while none shows yet)."""
+    if convention.mode != "auto":
+        return convention
+    if MANIFEST_NAME in names:
+        return convention.with_mode("manifest")
+    if any(name in names for name in convention.markers):
+        return convention.with_mode("marker")
+    if TRAINER_STATE in names:
+        return replace(convention, mode="marker", markers=(TRAINER_STATE,))
+    if _trainer_unfinished(names) or _downloading(names):
+        return convention
+    if INDEX_NAME in names or SINGLE_NAME in names:  # a lone file settles for settle_seconds
+        return convention.with_mode("hf-index")
+    return convention
+
+
+def _trainer_unfinished(names: Collection[str]) -> bool:
+    trainer = any(n in TRAINER_FILES or (n.startswith("rng_state_") and n.endswith(".pth")) for n in names)
+    return trainer and TRAINER_STATE not in names
+
+
+def _downloading(names: Collection[str]) -> str | None:
+    return next((name for name in sorted(names) if name.endswith(DOWNLOADING_SUFFIXES)), None)
+
+
+def signal_name(names: Collection[str], convention: Convention) -> str | None:
+    """The file whose arrival says a checkpoint is (or may be) complete, if it is there."""
+    convention = resolved(names, convention)
+    if convention.mode == "manifest":
+        order_: tuple[str, ...] = (MANIFEST_NAME,)
+    elif convention.mode == "hf-index":
+        order_ = (INDEX_NAME, SINGLE_NAME)
+    elif convention.mode == "marker":
+        order_ = convention.markers
+    else:
+        order_ = ()
+    return next((name for name in order_ if name in names), None)
+
+
+def waiting_reason(names: Collection[str]) -> str:
+    """Why an `auto` checkpoint waits, and what would end the wait."""
+    if downloading := _downloading(names):
+        return f"{downloading} is there: a download into it has not finished"
+    if _trainer_unfinished(names):
+        return f"a Trainer checkpoint without its {TRAINER_STATE} yet (Trainer writes it last)"
+    weights = [name for name in names if is_top_level_shard(name)]
+    if weights:
+        return (
+            f"{len(weights)} .safetensors file(s) but no {INDEX_NAME} yet (HF writes it after the "
+            "shards); a checkpoint written another way: publish it with `vllm-reloader publish`"
+        )
+    if any(name.endswith((".bin", ".pt", ".pth")) for name in names):
+        return (
+            "no .safetensors weights (.bin/.pt only): save with safetensors "
+            "(save_pretrained(..., safe_serialization=True)) or convert them"
+        )
+    return (
+        f"no {MANIFEST_NAME}, {INDEX_NAME}, {SINGLE_NAME} or completion marker yet: "
+        "publish it with `vllm-reloader publish`"
+    )

@@ -1,0 +1,63 @@
+"""The directories a config names are checked, never created, before the daemon starts or a
+SIGHUP swaps a config in: a typo in `source.path` or `state.dir` is then one line and exit 2,
+not a new tree on the host that nobody asked for.
+
+The daemon makes only its own layout inside a directory it was given: `state.json` and
+`control.sock` in `state.dir`; for an object-store source the default cache
+`<state.dir>/cache` (an explicit `state.cache_dir` must exist), and `checkpoints/` and
+`staging/` in the cache.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from ..config import Config
+from ..errors import ConfigError
+
+_EFFECTIVE = os.access in os.supports_effective_ids
+"""Ask as the user the daemon runs as (its effective ids), as its writes will."""
+
+
+def check(config: Config) -> None:
+    """Each directory `config` names exists, is a directory and is usable by this user; then
+    an object-store source's cache gets its `checkpoints/`, which the watcher watches."""
+    directory(("state", "dir"), config.state.dir, write=True)
+    if config.control.socket is not None:
+        directory(("control", "socket"), config.control.socket.parent, write=True, of=config.control.socket)
+    if not config.source.remote:
+        directory(("source", "path"), Path(config.source.path), write=False)
+        return
+    if config.state.cache_dir is not None:
+        directory(("state", "cache_dir"), config.state.cache_dir, write=True)
+    root = config.checkpoint_root
+    try:
+        root.mkdir(parents=True, exist_ok=True)  # at most <state.dir>/cache: state.dir exists
+    except OSError as exc:
+        why = exc.strerror or exc
+        raise ConfigError(f"state.cache_dir {config.cache_dir}: cannot make {root}: {why}") from exc
+
+
+def directory(section_key: tuple[str, str], path: Path, *, write: bool, of: Path | None = None) -> None:
+    """`ConfigError`, one line naming the key (`section.key`), `path` and what to do, unless
+    `path` is a directory this user can read (and, with `write`, write). `of`: the key's
+    value when `path` is the directory it goes in."""
+    key = ".".join(section_key)  # not a literal: the event catalogue's test takes those for events
+    where = f"{key} {of}: its directory {path}" if of is not None else f"{key} {path}"
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{where}: no such directory; create it (the daemon never does), or correct {key}"
+        ) from None
+    except NotADirectoryError:
+        raise ConfigError(f"{where}: a part of the path is a file, not a directory") from None
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot be reached: {exc.strerror or exc}") from exc
+    if not stat.S_ISDIR(found.st_mode):
+        raise ConfigError(f"{where}: exists and is not a directory")
+    need, what = (os.R_OK | os.W_OK | os.X_OK, "writable") if write else (os.R_OK | os.X_OK, "readable")
+    if not os.access(path, need, effective_ids=_EFFECTIVE):
+        raise ConfigError(f"{where}: not {what} by this user (uid {os.geteuid()}); chown or chmod it")

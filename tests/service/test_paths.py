@@ -1,0 +1,107 @@
+"""The directories a config names are checked before the daemon starts, never created: each
+problem is a `ConfigError` (exit 2), one line naming the key, the path and what to do."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from vllm_reloader import config
+from vllm_reloader.errors import ConfigError
+from vllm_reloader.service import paths
+
+
+def local(tmp_path: Path, **state: object) -> config.Config:
+    for made in ("root", "state"):
+        (tmp_path / made).mkdir(exist_ok=True)
+    return config.Config(
+        source=config.SourceConfig(path=str(tmp_path / "root")),
+        engine=config.EngineConfig(url="http://engine.test"),
+        state=config.StateConfig(dir=tmp_path / "state", **state),  # type: ignore[arg-type]
+    )
+
+
+def remote(tmp_path: Path, **state: object) -> config.Config:
+    cfg = local(tmp_path, **state)
+    return cfg.model_copy(update={"source": config.SourceConfig(path="s3://bucket/runs")})
+
+
+def refused(cfg: config.Config) -> str:
+    with pytest.raises(ConfigError) as error:
+        paths.check(cfg)
+    assert "\n" not in str(error.value)
+    return str(error.value)
+
+
+def test_paths_of_an_operators_directories_pass_and_nothing_is_made(tmp_path):
+    paths.check(local(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["root", "state"]
+    assert list((tmp_path / "state").iterdir()) == []
+
+
+def test_paths_source_path_naming_a_file_is_refused(tmp_path):
+    cfg = local(tmp_path)
+    (tmp_path / "root").rmdir()
+    (tmp_path / "root").write_text("not a directory")
+    assert refused(cfg) == f"source.path {tmp_path / 'root'}: exists and is not a directory"
+
+
+def deny(monkeypatch: pytest.MonkeyPatch, path: Path, bit: int) -> None:
+    """`os.access` says no to `bit` on `path`, as for the daemon's user (the tests may run as
+    root, who may read and write anything)."""
+    real = os.access
+
+    def access(where: object, mode: int, **kw: bool) -> bool:
+        return not (Path(str(where)) == path and mode & bit) and real(where, mode, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "access", access)
+
+
+def test_paths_a_state_dir_the_daemon_cannot_write_is_refused(tmp_path, monkeypatch):
+    cfg = local(tmp_path)
+    deny(monkeypatch, tmp_path / "state", os.W_OK)
+    assert refused(cfg).startswith(f"state.dir {tmp_path / 'state'}: not writable by this user (uid ")
+
+
+def test_paths_a_source_the_daemon_cannot_read_is_refused_a_read_only_one_is_fine(tmp_path, monkeypatch):
+    """The shipped unit mounts the root read-only (`ReadOnlyPaths=`): reading is all it needs."""
+    cfg = local(tmp_path)
+    deny(monkeypatch, tmp_path / "root", os.W_OK)
+    paths.check(cfg)
+    deny(monkeypatch, tmp_path / "root", os.R_OK)
+    assert refused(cfg).startswith(f"source.path {tmp_path / 'root'}: not readable by this user (uid ")
+
+
+def test_paths_a_control_socket_in_a_missing_directory_is_refused(tmp_path):
+    socket = tmp_path / "run" / "control.sock"
+    cfg = local(tmp_path).model_copy(update={"control": config.ControlConfig(socket=socket)})
+    said = refused(cfg)
+    assert said.startswith(f"control.socket {socket}: its directory {socket.parent}: no such directory")
+    assert not (tmp_path / "run").exists()
+
+
+def test_paths_object_store_default_cache_is_made_in_the_state_dir(tmp_path):
+    """The cache is the daemon's own layout inside a directory it was given."""
+    cfg = remote(tmp_path)
+    paths.check(cfg)
+    assert cfg.checkpoint_root == tmp_path / "state" / "cache" / "checkpoints"
+    assert cfg.checkpoint_root.is_dir()
+
+
+def test_paths_object_store_cache_dir_set_but_missing_is_refused_and_not_made(tmp_path):
+    """An operator who names a cache directory (a big disk) means that one: a typo would fill
+    another disk."""
+    cfg = remote(tmp_path, cache_dir=tmp_path / "big-disk" / "cache")
+    assert refused(cfg).startswith(f"state.cache_dir {tmp_path / 'big-disk' / 'cache'}: no such directory")
+    assert not (tmp_path / "big-disk").exists()
+    (tmp_path / "big-disk" / "cache").mkdir(parents=True)
+    paths.check(cfg)
+    assert (tmp_path / "big-disk" / "cache" / "checkpoints").is_dir()
+
+
+def test_paths_object_store_default_cache_that_is_a_file_is_refused(tmp_path):
+    cfg = remote(tmp_path)
+    (tmp_path / "state" / "cache").write_text("not a directory")
+    assert refused(cfg).startswith(f"state.cache_dir {tmp_path / 'state' / 'cache'}: cannot make ")
