@@ -470,6 +470,24 @@ def test_remote_auto_fetches_a_trainer_checkpoint_once_trainer_state_is_there(tm
     assert local.fingerprint == harness.source.seen["checkpoint-400"].fingerprint
 
 
+def test_remote_checkpoint_nothing_says_is_complete_is_pending_with_the_reason(tmp_path, bucket: Bucket):
+    directory = tmp_path / "hf" / "checkpoint-500"
+    write_weights(directory, shards=2)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "pytorch_model.bin").write_bytes(b"\x80\x04weights")
+    harness = foreign_harness(tmp_path, bucket, "auto")
+    bucket.upload_dir(directory, "checkpoint-500")
+    bucket.upload_dir(tmp_path / "old", "old-style")
+    with structlog.testing.capture_logs() as logs:
+        harness.source.poll()
+        harness.source.poll()
+    assert harness.fetched() == []
+    assert "no model.safetensors.index.json yet" in harness.source.pending["checkpoint-500"]
+    assert "save with safetensors" in harness.source.pending["old-style"]
+    said = [e["name"] for e in logs if e["event"] == "checkpoint.pending"]
+    assert sorted(said) == ["checkpoint-500", "old-style"], "once each, not at every poll"
+
+
 def test_remote_hf_shard_with_a_short_object_is_pending(tmp_path, bucket: Bucket):
     directory = tmp_path / "hf" / "checkpoint-1"
     shards = write_weights(directory, shards=2)

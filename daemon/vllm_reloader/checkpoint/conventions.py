@@ -89,6 +89,17 @@ def signal_name(names: Collection[str], convention: Convention) -> str | None:
     return next((name for name in order_ if name in names), None)
 
 
+def unsignalled_reason(names: Collection[str], convention: Convention) -> str:
+    """Why a checkpoint with no `signal_name` file waits (said as `describe` says it)."""
+    if convention.mode == "auto":
+        return waiting_reason(names)
+    if convention.mode == "manifest":
+        return f"no {MANIFEST_NAME} yet"
+    if convention.mode == "hf-index":
+        return f"no {INDEX_NAME} or {SINGLE_NAME} yet"
+    return f"no completion marker ({', '.join(convention.markers)}) yet"
+
+
 def waiting_reason(names: Collection[str]) -> str:
     """Why an `auto` checkpoint waits, and what would end the wait."""
     if downloading := _downloading(names):

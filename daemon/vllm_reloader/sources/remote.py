@@ -2,18 +2,16 @@
 
 An object store can only be polled. Each poll LISTs the prefix once and GETs a
 checkpoint's completing object (our manifest, an HF index, a marker) only when its ETag
-changed. Each checkpoint's objects are then judged by the same `completeness.describe` the
-local gate uses, through a `BucketListing` (shard headers by two small ranged GETs, once
-per ETag): pending (not all uploaded yet, or short), rejected (an unsafe path, a shard
-longer than listed, bytes that fail their digest while downloading), or ready, which here
-means: download the newest such checkpoint newer than the one serving. It lands in the
-checkpoint root, where the local watcher and gate take over as for any local writer.
+changed. Its objects are then judged by the local gate's `completeness.describe`, through
+a `BucketListing` (shard headers by two small ranged GETs, once per ETag): pending (not all
+uploaded yet, or short), rejected (an unsafe path, a shard longer than listed, bytes that
+fail their digest while downloading), or ready: download the newest one newer than the one
+serving, into the checkpoint root, where the local watcher and gate take over.
 
 A listed object is whole (a multipart upload is invisible until it completes), so a
-manifest or index that is not JSON gets no grace: it is rejected at once.
-
-This runs on its own thread, because a download takes minutes; rejections, which the
-state must keep, and finished downloads go to the main loop's inbox like any other event.
+manifest or index that is not JSON gets no grace: it is rejected at once. This runs on its
+own thread (a download takes minutes); rejections and finished downloads go to the main
+loop's inbox like any other event.
 """
 
 from __future__ import annotations
@@ -106,6 +104,7 @@ class RemoteSource:
         self.stop = threading.Event()
         self.seen: dict[str, Seen] = {}
         self.pending: dict[str, str] = {}
+        self.unsignalled: dict[str, str] = {}  # nothing says they are complete yet: why
         self.rejected_here: dict[str, set[str]] = {}
         # A listed object is whole: no grace for a manifest or index that is not JSON.
         convention = conventions.Convention(
@@ -243,6 +242,9 @@ class RemoteSource:
             else:
                 manifest = None if isinstance(listed, Incomplete) else listed.manifest
                 self._reject(name, manifest, verdict)
+        for name, reason in self.unsignalled.items():  # what would load next, once complete
+            if self.serving().replaced_by(order.Candidate(name, None, "")):
+                self._waiting(name, reason, waiting)
         self.pending = waiting
 
     def _own_problem(self, name: str, seen: Seen) -> tuple[str, str] | None:
@@ -293,10 +295,13 @@ class RemoteSource:
         then work out how each checkpoint orders."""
         for name in set(self.seen) - set(by_name):
             del self.seen[name]
+        self.unsignalled = {}
         for name, objects in by_name.items():
-            signal = conventions.signal_name([k for k in objects if "/" not in k], self.convention)
+            top = [k for k in objects if "/" not in k]
+            signal = conventions.signal_name(top, self.convention)
             if signal is None:
                 self.seen.pop(name, None)
+                self.unsignalled[name] = conventions.unsignalled_reason(top, self.convention)
                 continue
             listed, known = objects[signal], self.seen.get(name)
             if known is None:
