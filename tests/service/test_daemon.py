@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.support.checkpoints import hf_index, write_weights
+from tests.support.checkpoints import hf_index, write_manifest, write_weights
 from tests.support.fake_engine import FakeEngine, error, unreachable
 from vllm_reloader import config, durable
 from vllm_reloader.checkpoint.files import INDEX_NAME
@@ -210,6 +210,24 @@ def test_daemon_says_once_that_a_copy_without_a_step_behind_a_stepped_version_wi
     running.wait_for("reload.succeeded", version="step-101")
     assert [e["name"] for e in running.events("checkpoint.passed_over")] == ["checkpoint-500"]
     assert f"reload:{root / 'checkpoint-500'}" not in engine.calls
+
+
+def test_daemon_does_not_say_a_manifest_written_in_part_is_passed_over(start, root, make_checkpoint):
+    make_checkpoint("step-100", step=100, root=root)
+    engine = FakeEngine(startup=str(root / "step-100"))
+    running = start(engine, settle_seconds=0.5)
+    running.wait_for("engine.reconciled", version="step-100")
+    target = root / "step-101"
+    write_weights(target, seed=1)
+    write_manifest(target, step=101)
+    whole = (target / "manifest.json").read_bytes()
+    (target / "manifest.json").write_bytes(whole[: len(whole) // 2])  # a writer caught mid-write
+    running.wait_for("checkpoint.seen", name="step-101")
+    write_weights(root / "checkpoint-500", seed=5)  # said after step-101 was looked at
+    running.wait_for("checkpoint.passed_over", name="checkpoint-500")
+    assert [e["name"] for e in running.events("checkpoint.passed_over")] == ["checkpoint-500"]
+    (target / "manifest.json").write_bytes(whole)
+    running.wait_for("reload.succeeded", version="step-101")
 
 
 def test_daemon_rolls_back_a_checkpoint_whose_canary_fails(start, root, tmp_path, make_checkpoint):

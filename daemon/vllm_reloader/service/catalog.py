@@ -20,6 +20,8 @@ from ..checkpoint.completeness import DirectoryListing
 from ..checkpoint.conventions import Convention
 from ..checkpoint.files import SINGLE_NAME
 from ..checkpoint.manifest import MANIFEST_NAME
+from ..checkpoint.manifest import parse as parse_manifest
+from ..errors import ManifestInvalid, NotJSONYet
 from ..sources import cache, local
 from .reconcile import version_of
 from .served import Served
@@ -138,7 +140,7 @@ class Catalog:
         self.arrived -= {c.name for c in worth}  # newer than what served when it came: not passed over
         for name in sorted(self.arrived):
             found = self.candidates.get(name)
-            if found is None or name == serving.name or not self._complete(name):
+            if found is None or name == serving.name or not self._settled(found):
                 continue
             self.arrived.discard(name)
             if found.fingerprint in self.rejected_view.get(found.base, ()):
@@ -152,16 +154,21 @@ class Catalog:
                 fix=f"`vllm-reloader pin {name}` loads it; or publish it with --step",
             )
 
-    def _complete(self, name: str) -> bool:
-        """Whether a writer is done with it, as far as its listing shows (a writer of our
-        manifest in place has not written it yet while its weights are there)."""
+    def _settled(self, found: order.Candidate) -> bool:
+        """Whether a writer is done with it as the catalog last saw it: its completing file is
+        there (and quiet, for a lone model.safetensors), a manifest parses (one written in place
+        has no step until whole), and nothing changed since (else a refresh is on its way)."""
         try:
-            listing = DirectoryListing(self.root / name)
+            listing = DirectoryListing(self.root / found.name)
             signal = conventions.signal_name(listing.top(), self.convention)
             quiet = time.time() - listing.last_change() >= self.convention.settle_seconds
-        except OSError:
+            if signal == MANIFEST_NAME:
+                parse_manifest(listing.whole(MANIFEST_NAME))
+            now = completeness.candidate(found.name, listing, self.convention)
+        except (OSError, NotJSONYet, ManifestInvalid):
             return False
-        return signal is not None and (signal != SINGLE_NAME or quiet)
+        unchanged = (now.step, now.fingerprint) == (found.step, found.fingerprint)
+        return unchanged and signal is not None and (signal != SINGLE_NAME or quiet)
 
     def _dated(self, serving: order.Serving) -> order.Serving:
         """`serving` with the time its copy was placed, when it is in the root."""
