@@ -39,3 +39,18 @@ install_xla() {
     "torch==2.9.0" "torch_xla==2.9.0"
   venv_pip "$XLA_VENV" install -q -e ".[test]"
 }
+
+# install_azurite: Azurite (Azure Blob's emulator) from npm under .tools/, unless it is there.
+AZURITE=${AZURITE:-azurite@3.37.0}
+install_azurite() {
+  [ -x .tools/node_modules/.bin/azurite-blob ] && return 0
+  if ! command -v npm >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm >/dev/null
+    else
+      echo "scripts/test: npm is missing (for Azurite, the Azure tests); install nodejs and npm" >&2
+      return 1
+    fi
+  fi
+  npm install --prefix .tools --no-audit --no-fund --silent "$AZURITE"
+}

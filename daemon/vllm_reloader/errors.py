@@ -87,7 +87,13 @@ class Cancelled(DownloadError):
 
 
 class SourceError(ReloaderError):
-    """The object store refused or did not answer; the message is one line with its code."""
+    """The object store refused or did not answer. The message is one stable line (the
+    operation, the key, the condition: a store's code, refused, DNS, TLS, credentials), the
+    same at every retry; `detail` keeps the store's own words for `status`."""
+
+    def __init__(self, message: str, detail: str | None = None) -> None:
+        super().__init__(message)
+        self.detail = detail or message
 
 
 class ObjectChanged(SourceError):

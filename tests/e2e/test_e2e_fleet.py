@@ -16,9 +16,9 @@ from tests.e2e.test_e2e_engines import exploding
 from tests.support.e2e_world import World, _steps
 from tests.support.engine_fixtures import DaemonProcess
 from tests.support.fake_engine import FakeEngine, FakeEngineServer
-from tests.support.store_fixtures import Bucket
+from tests.support.store_fixtures import WRITABLE, Bucket
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.stores(*WRITABLE)]
 
 
 def fleet_config(path: Path, bucket: Bucket, engine_url: str, state: Path, rollout: str) -> Path:
@@ -74,7 +74,7 @@ def test_e2e_fleet_follower_loads_only_what_a_canary_host_passed(
         assert follower_engine.version == good and world.engine.weight_version() == good
         (key,) = [k for k in bucket.listed() if k.startswith(f"{good}/_verdicts/")]  # <fingerprint>/
         assert key.endswith("/canary-1.passed.json")
-        record = json.loads(bucket.client.get_object(Bucket=bucket.name, Key=f"runs/{key}")["Body"].read())
+        record = json.loads(bucket.read(key))
         assert record["verdict"] == "passed" and record["host"] == "canary-1" and record["version"] == good
         # Not before the record existed: made at `at`, then written; the canary host logs
         # `verdict.recorded` after the write, so the follower may act before that line.

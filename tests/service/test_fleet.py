@@ -21,11 +21,13 @@ from safetensors.numpy import save_file
 from tests.support.checkpoints import TENSORS, MakeCheckpoint, write_manifest
 from tests.support.daemon_fixtures import events_in, wait_for_event
 from tests.support.fake_engine import FakeEngine
-from tests.support.store_fixtures import Bucket
+from tests.support.store_fixtures import WRITABLE, Bucket
 from vllm_reloader import config
 from vllm_reloader.checkpoint import order
 from vllm_reloader.service.daemon import Daemon
 from vllm_reloader.sources.remote import Downloaded, Rejected, RemoteSource
+
+pytestmark = pytest.mark.stores(*WRITABLE)
 
 
 class BadSteps(set[str]):
@@ -154,8 +156,7 @@ class Fleet:
         for key in self.bucket.listed():
             top, _, rest = key.partition("/")
             if order.base_name(top) == name and rest.startswith("_verdicts/"):
-                body = self.bucket.client.get_object(Bucket=self.bucket.name, Key=f"runs/{key}")["Body"]
-                found.append(json.loads(body.read()))
+                found.append(json.loads(self.bucket.read(key)))
         return found
 
 

@@ -15,13 +15,15 @@ import pytest
 
 from tests.support import small_disk
 from tests.support.checkpoints import MakeCheckpoint
-from tests.support.store_fixtures import Bucket
+from tests.support.store_fixtures import STORES, WRITABLE, Bucket
 from vllm_reloader.checkpoint import gate
 from vllm_reloader.checkpoint.manifest import parse
 from vllm_reloader.errors import DownloadError, ObjectChanged
 from vllm_reloader.sources import download
 from vllm_reloader.sources.download import JOURNAL_NAME, Part, Plan, fetch
 from vllm_reloader.sources.objstore import Store
+
+pytestmark = pytest.mark.stores(*STORES)
 
 PLAN = Plan(concurrency=4, part_size=4096, min_free_bytes=0)
 
@@ -128,6 +130,7 @@ def test_download_rejects_bytes_that_fail_their_digest(uploaded, tmp_path, bucke
     assert not (tmp_path / "cache" / "staging" / "step-9").exists()
 
 
+@pytest.mark.stores(*WRITABLE)
 def test_download_stops_when_an_object_changes_underneath(uploaded, tmp_path, bucket: Bucket):
     checkpoint, store = uploaded
     shard = sorted(checkpoint.glob("*.safetensors"))[0]

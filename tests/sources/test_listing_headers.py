@@ -9,11 +9,13 @@ import struct
 
 import pytest
 
-from tests.support.store_fixtures import Bucket
+from tests.support.store_fixtures import STORES, Bucket
 from vllm_reloader.checkpoint.files import MAX_HEADER_BYTES, TooManyTensors
 from vllm_reloader.errors import LayoutUnreadable
 from vllm_reloader.sources.listing import HeaderSizes
 from vllm_reloader.sources.objstore import Store
+
+pytestmark = pytest.mark.stores(*STORES)
 
 
 def test_remote_header_longer_than_any_safetensors_header_is_refused_from_its_prefix(

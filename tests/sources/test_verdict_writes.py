@@ -12,13 +12,15 @@ from pathlib import Path
 import pytest
 import structlog
 
-from tests.support.store_fixtures import Bucket
+from tests.support.store_fixtures import WRITABLE, Bucket
 from vllm_reloader import config
 from vllm_reloader.checkpoint import order
 from vllm_reloader.errors import SourceError
 from vllm_reloader.sources import unwritten, verdicts
 from vllm_reloader.sources.objstore import Store
 from vllm_reloader.sources.remote import RemoteSource
+
+pytestmark = pytest.mark.stores(*WRITABLE)
 
 FP = "1" * 64
 
@@ -184,7 +186,7 @@ def test_verdict_whose_reason_quotes_a_huge_hostile_name_is_written_cut_not_a_cr
     assert fleet_source.fleet.write_queued() is True
     assert fleet_source.fleet.pending() == []
     key = f"step-6/_verdicts/{FP}/canary-1.failed.json"
-    body = bucket.client.get_object(Bucket=bucket.name, Key=f"runs/{key}")["Body"].read()
+    body = bucket.read(key)
     assert len(json.loads(body)["reason"]) == 4096
 
 

@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 import structlog
 
-from tests.support.store_fixtures import Bucket
+from tests.support.store_fixtures import WRITABLE, Bucket
 from vllm_reloader.config import RolloutConfig
 from vllm_reloader.sources import verdicts
 from vllm_reloader.sources.objstore import Store
+
+pytestmark = pytest.mark.stores(*WRITABLE)
 
 FP1, FP2 = "1" * 64, "2" * 64
 
@@ -37,7 +39,7 @@ def write(
 
 
 def body(bucket: Bucket, key: str) -> dict:
-    return json.loads(bucket.client.get_object(Bucket=bucket.name, Key=f"runs/{key}")["Body"].read())
+    return json.loads(bucket.read(key))
 
 
 def test_verdict_record_sits_at_its_content_host_and_verdict_and_is_never_overwritten(

@@ -4,11 +4,14 @@ import os
 import pytest
 
 from tests.support.checkpoints import write_weights
+from tests.support.store_fixtures import WRITABLE
 from vllm_reloader.checkpoint import gate
 from vllm_reloader.errors import PublishError
 from vllm_reloader.tools import publish as publish_module
 from vllm_reloader.tools import upload as upload_module
 from vllm_reloader.tools.publish import publish
+
+pytestmark = pytest.mark.stores(*WRITABLE)
 
 
 @pytest.fixture
@@ -105,9 +108,7 @@ def test_publish_into_s3_claims_the_name_streams_the_files_then_creates_the_mani
     ]
     assert [sorted(c) for c in claims] == [["host", "id", "pid", "started_at", "version"]]
     assert claims[0]["pid"] == os.getpid() and claims[0]["version"] == "step-3"
-    manifest = json.loads(
-        bucket.client.get_object(Bucket=bucket.name, Key="runs/step-3/manifest.json")["Body"].read()
-    )
+    manifest = json.loads(bucket.read("step-3/manifest.json"))
     assert manifest["step"] == 3 and all(len(f["blake3"]) == 64 for f in manifest["files"])
     assert sorted(bucket.listed()) == sorted([*files, "step-3/manifest.json"])
 
@@ -174,9 +175,7 @@ def test_publish_loser_of_the_incoming_directory_touches_nothing(src, tmp_path, 
 def _bucket_objects(bucket, name):  # type: ignore[no-untyped-def]
     """The objects under `name` (key → bytes), read with the test's own client."""
     return {
-        key.removeprefix(f"{name}/"): bucket.client.get_object(Bucket=bucket.name, Key=f"runs/{key}")[
-            "Body"
-        ].read()
+        key.removeprefix(f"{name}/"): bucket.read(key)
         for key in bucket.listed()
         if key.startswith(f"{name}/")
     }
@@ -296,7 +295,7 @@ def test_publish_remote_refuses_a_claim_a_crash_left_and_touches_nothing(src, tm
     assert sorted(bucket.listed()) == ["v1/.publishing", "v1/config.json"]
     assert _bucket_objects(bucket, "v1")[".publishing"] == claim.encode()
     for key in bucket.listed():  # as the message says
-        bucket.client.delete_object(Bucket=bucket.name, Key=f"runs/{key}")
+        bucket.delete(key)
     assert publish_remote(src, bucket.url, name="v1") == f"{bucket.url}/v1"
     _assert_verifies(bucket, "v1", src, tmp_path)
 
@@ -317,6 +316,7 @@ def test_publish_remote_refuses_a_name_holding_a_foreign_file_and_removes_its_cl
     assert _bucket_objects(bucket, "v1") == {"notes.txt": b"a foreign writer's"}
 
 
+@pytest.mark.stores("s3")
 def test_publish_remote_uploads_a_file_larger_than_a_part_in_parts_and_it_verifies(
     src, tmp_path, bucket, monkeypatch
 ):

@@ -1,17 +1,18 @@
 """The object-store edge: obstore (one Rust client for S3, GCS and Azure), errors translated.
 
-Credentials come the standard way for each store (`AWS_*`, `GOOGLE_*`, `AZURE_*` env vars,
-instance metadata), including `AWS_ENDPOINT_URL` and `AWS_ALLOW_HTTP=true` for
-S3-compatible stores; an explicit `endpoint_url` overrides. obstore's own exceptions carry
-multi-line debug dumps; `SourceError` keeps one line: the operation, the key, and the
-store's error code (`NoSuchBucket`, `InvalidAccessKeyId`, ...).
+Credentials and client options come the standard way for each store (`AWS_*`, `GOOGLE_*`,
+`AZURE_*` env vars, instance metadata), including `AWS_ENDPOINT_URL` and `<STORE>_ALLOW_HTTP`;
+an explicit `endpoint_url` (S3's or Azure's endpoint, GCS's base URL) overrides. obstore's own
+exceptions carry multi-line debug dumps with timings; `SourceError` keeps one stable line (the
+operation, the key, the condition: the store's code, refused, DNS, TLS, credentials) and the
+store's own words and cause as its `detail`.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -29,8 +30,34 @@ from obstore.store import from_url
 from ..errors import ConfigError, ObjectChanged, PublishError, SourceError
 
 _CODE = re.compile(r"<Code>([^<]+)</Code>")
+_MESSAGE = re.compile(r"<Message>([^<\n]*)")
 _BAD_PATH = re.compile(r'Path "([^"]*)"')
 _STATUS = re.compile(r"status code: (\d{3} [^:]*)")
+_TIMING = re.compile(
+    r" in [\d.]+(?:ns|µs|us|ms|s)\b|, after \d+ retries, max_retries: \d+, retry_timeout: \S+"
+)
+_URL = re.compile(r"\b(?:GET|PUT|HEAD|POST|DELETE) (\w+://[^/\s?]+)")
+_CAUSE = re.compile(r'(?:message|error): "([^"]+)"')
+_ENV_PREFIX = {"s3": "AWS_", "gs": "GOOGLE_", "az": "AZURE_"}
+CLIENT_KEYS = (
+    "allow_http",
+    "allow_invalid_certificates",
+    "connect_timeout",
+    "default_content_type",
+    "http1_only",
+    "http2_only",
+    "http2_keep_alive_interval",
+    "http2_keep_alive_timeout",
+    "http2_keep_alive_while_idle",
+    "pool_idle_timeout",
+    "pool_max_idle_per_host",
+    "proxy_url",
+    "proxy_ca_certificate",
+    "proxy_excludes",
+    "timeout",
+    "user_agent",
+)
+"""The HTTP client's keys obstore would read from `<STORE>_<KEY>` variables."""
 
 
 @dataclass(frozen=True)
@@ -46,12 +73,72 @@ class Unlistable(SourceError):
 
 
 def _one_line(exc: BaseException) -> str:
+    """The condition, the same at every retry: no timings, the cause kept (obstore's first
+    line says only "error sending request"; the cause is in its debug dump)."""
     text = str(exc)
+    first = _TIMING.sub("", text.splitlines()[0]) if text else type(exc).__name__
+    host = url.group(1) if (url := _URL.search(first)) else "the store"
+    if "token request" in first:
+        status = _STATUS.search(text)
+        return (
+            f"no credentials: the token request to {host} failed"
+            f" ({status.group(1).strip() if status else _connect_failure(text, host) or 'no answer'});"
+            " set the store's credentials (see docs/object-storage.md)"
+        )
+    if failure := _connect_failure(text, host):
+        return failure
+    code, status = _CODE.search(text), _STATUS.search(text)
+    if code and not code.group(1).isdigit():
+        return code.group(1) + (f" ({status.group(1).strip()})" if status else "")
+    if status:
+        message = _MESSAGE.search(text)
+        return status.group(1).strip() + (f": {message.group(1).strip()}" if message else "")
+    return first[:300]
+
+
+def _connect_failure(text: str, host: str) -> str | None:
+    """Why no answer came (a store that answered, with any words in its body, is not this)."""
+    if "non-2xx status code" in text.partition("\n")[0]:
+        return None
+    if '"dns error"' in text:
+        return f"DNS lookup of {host} failed"
+    if "ConnectionRefused" in text:
+        return f"connection refused by {host}"
+    if "TimedOut" in text or "operation timed out" in text:
+        return f"no answer from {host} in time"
+    if "certificate" in text.lower():
+        return f"TLS: the certificate of {host} is not trusted"
+    if "InvalidContentType" in text or "InvalidMessage" in text or "CorruptMessage" in text:
+        return f"TLS handshake with {host} failed (is it a plain http:// endpoint?)"
+    return None
+
+
+def _detail(exc: BaseException) -> str:
+    """The store's own first line and the innermost cause, for `status`."""
+    text = str(exc)
+    first = _TIMING.sub("", text.splitlines()[0]) if text else type(exc).__name__
+    first = first.split(": <?xml", 1)[0].split(": <errorResponse>", 1)[0]
     if code := _CODE.search(text):
-        return code.group(1)
-    if status := _STATUS.search(text):
-        return status.group(1).strip()
-    return text.splitlines()[0][:200] if text else type(exc).__name__
+        message = _MESSAGE.search(text)
+        return f"{first[:500]}: {code.group(1)}" + (f": {message.group(1).strip()}" if message else "")
+    causes = _CAUSE.findall(text)
+    return first[:500] + (f"; cause: {causes[-1]}" if causes else "")
+
+
+def client_options(
+    url: str, endpoint_url: str | None, timeout: float, environ: Mapping[str, str]
+) -> dict[str, Any]:
+    """The HTTP client's options. obstore reads them from the store's variables (`AWS_ALLOW_HTTP`,
+    `AZURE_PROXY_URL`, `GOOGLE_ALLOW_INVALID_CERTIFICATES`, ...) only when none are passed, and
+    passing any replaces them all: so they are read here, and what the user set stays in force.
+    The config adds its timeouts where the environment sets none, and allows http for an
+    `http://` endpoint_url."""
+    prefix = _ENV_PREFIX[url.partition("://")[0]]
+    from_env = {key: environ[prefix + key.upper()] for key in CLIENT_KEYS if prefix + key.upper() in environ}
+    options: dict[str, Any] = {"timeout": f"{timeout:g}s", "connect_timeout": "5s", **from_env}
+    if (endpoint_url or "").startswith("http://"):
+        options["allow_http"] = True
+    return options
 
 
 class Store:
@@ -59,14 +146,11 @@ class Store:
 
     def __init__(self, url: str, *, endpoint_url: str | None = None, timeout: float = 30.0) -> None:
         self.url = url.rstrip("/")
-        options: dict[str, Any] = {"timeout": f"{timeout:g}s", "connect_timeout": "5s"}
         config: dict[str, Any] = {}
         if endpoint_url:
             config["base_url" if url.startswith("gs://") else "endpoint"] = endpoint_url
-        # Passing client options replaces the ones obstore reads from the env: keep AWS_ALLOW_HTTP.
-        options["allow_http"] = (endpoint_url or "").startswith("http://") or os.environ.get(
-            "AWS_ALLOW_HTTP", ""
-        ).lower() in ("1", "true")
+        options = client_options(url, endpoint_url, timeout, os.environ)
+        self._via = f" (through the proxy {options['proxy_url']})" if "proxy_url" in options else ""
         try:
             self._store = from_url(  # type: ignore[call-overload]
                 self.url, client_options=options, retry_config={"max_retries": 2}, **config
@@ -78,7 +162,8 @@ class Store:
         where = f"{self.url}/{key}" if key else self.url
         if isinstance(exc, PreconditionError):
             return ObjectChanged(f"{what} {where}: changed while being read")
-        return SourceError(f"{what} {where}: {_one_line(exc)}")
+        via = self._via if _connect_failure(str(exc), "") else ""
+        return SourceError(f"{what} {where}: {_one_line(exc)}{via}", f"{what} {where}: {_detail(exc)}")
 
     def list(self) -> tuple[dict[str, Object], dict[str, str]]:
         """Every object under the prefix (key → size, ETag, time), and the top-level names
@@ -144,7 +229,7 @@ class Store:
         """A whole (small) object and its ETag."""
         try:
             result = obstore.get(self._store, key)
-            return bytes(result.bytes()), result.meta["e_tag"]
+            return bytes(result.bytes()), _etag(result.meta["e_tag"])
         except (BaseError, OSError) as exc:
             raise self._fail("GET", key, exc) from exc
 
@@ -218,4 +303,12 @@ class Store:
 
 
 def _object(meta: Any) -> Object:
-    return Object(meta["size"], meta["e_tag"], meta["last_modified"].timestamp())
+    return Object(meta["size"], _etag(meta["e_tag"]), meta["last_modified"].timestamp())
+
+
+def _etag(value: str | None) -> str | None:
+    """An ETag in HTTP's quoted form: Azure's and GCS's listings give it bare, their HEAD and
+    GET quoted, and one object must compare equal to itself."""
+    if value and not value.startswith(('"', "W/")):
+        return f'"{value}"'
+    return value

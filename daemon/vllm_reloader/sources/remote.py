@@ -16,8 +16,6 @@ loop's inbox like any other event.
 
 from __future__ import annotations
 
-import os
-import shutil
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -32,7 +30,7 @@ from ..checkpoint.files import SINGLE_NAME
 from ..checkpoint.manifest import Manifest
 from ..config import Config
 from ..errors import Cancelled, DownloadError, SourceError
-from . import local, verdicts
+from . import cache, local, verdicts
 from .download import Fetched, Plan, fetch, remember
 from .listing import BucketListing, HeaderSizes, by_head, judge
 from .objstore import Object, Store
@@ -118,7 +116,8 @@ class RemoteSource:
         self.bad_keys: dict[str, str] = {}
         """Checkpoints whose listing hit a key obstore cannot represent (logged once each)."""
         self.problems: dict[str, str] = {}
-        """What is failing now, by kind ("source", "download"): each is logged once, not per poll."""
+        """What is failing now, by kind ("source", "download"), in the store's words (`status`)."""
+        self.said: dict[str, str] = {}  # ...and its one-line reason, logged once, not per poll
         self.fleet = verdicts.Fleet(self.store, config.rollout, self.log, config.state.dir)
         self.wake = threading.Event()
         """Set to poll (and write verdicts) now rather than at the next interval."""
@@ -177,13 +176,15 @@ class RemoteSource:
         if self.pending.get(name) != reason:
             self.log.info("checkpoint.pending", name=name, reason=reason, remote=True)
 
-    def _report(self, kind: str, reason: str, **fields: Any) -> None:
-        if self.problems.get(kind) != reason:
-            self.problems[kind] = reason
+    def _report(self, kind: str, exc: Exception, **fields: Any) -> None:
+        """Said once per reason (stable across retries); `status` shows the store's own words."""
+        if self.said.get(kind) != (reason := str(exc)):
             self.log.error(f"{kind}.failed", source=self.config.source.path, reason=reason, **fields)
+        self.said[kind], self.problems[kind] = reason, getattr(exc, "detail", reason)
 
     def _clear(self, kind: str) -> None:
-        if self.problems.pop(kind, None) is not None:
+        if self.said.pop(kind, None) is not None:
+            self.problems.pop(kind, None)
             self.log.info(f"{kind}.recovered", source=self.config.source.path)
 
     def poll(self) -> None:
@@ -204,7 +205,7 @@ class RemoteSource:
                 for recalled in self.fleet.recalls(self.serves()):
                     self.post(recalled)
         except SourceError as exc:
-            self._report("source", str(exc), retry_in_s=self.config.source.interval)
+            self._report("source", exc, retry_in_s=self.config.source.interval)
             return
         self._clear("source")
         placed = self._placed()
@@ -213,7 +214,9 @@ class RemoteSource:
             for name, seen in self.seen.items()
             if not any(seen.fingerprint.startswith(fp) for fp in placed.get(name, ()) if fp)
         }
-        self._clean_staging({order.placed_name(name, self.seen[name].fingerprint) for name in candidates})
+        cache.clean_staging(
+            self.staging_root, {order.placed_name(n, self.seen[n].fingerprint) for n in candidates}
+        )
         theirs, here = self.rejected(), self.rejected_here
         rejected = {name: {*theirs.get(name, ()), *here.get(name, ())} for name in {*theirs, *here}}
         waiting: dict[str, str] = {}
@@ -230,7 +233,7 @@ class RemoteSource:
                     continue
                 listed = completeness.describe(bucket, self.convention, time.time())
             except SourceError as exc:
-                self._report("source", str(exc), retry_in_s=self.config.source.interval)
+                self._report("source", exc, retry_in_s=self.config.source.interval)
                 return
             verdict = listed if isinstance(listed, Incomplete) else judge(listed, bucket)
             if verdict is None:
@@ -358,10 +361,10 @@ class RemoteSource:
                 )
                 self._reject(name, listed.manifest, own)
                 return  # its own names or paths: no retry fixes it
-            self._report("download", str(exc), name=name, retry_in_s=self.config.source.interval)
+            self._report("download", exc, name=name, retry_in_s=self.config.source.interval)
             return
         except SourceError as exc:
-            self._report("download", str(exc), name=name, retry_in_s=self.config.source.interval)
+            self._report("download", exc, name=name, retry_in_s=self.config.source.interval)
             return
         self._clear("download")
         if fetched.rejected:
@@ -370,7 +373,7 @@ class RemoteSource:
             )
             return
         if seen.signal == SINGLE_NAME and fetched.path is not None:
-            _backdate(fetched.path, max(o.modified for o in objects.values()))
+            cache.backdate(fetched.path, max(o.modified for o in objects.values()))
         if fetched.path is not None:
             remember(self.verified_files, fetched)
         self.log.info(
@@ -382,19 +385,3 @@ class RemoteSource:
             mb_per_s=round(fetched.fetched_bytes / fetched.seconds / 1e6, 1) if fetched.seconds else None,
         )
         self.post(Downloaded(fetched.path.name if fetched.path else name))
-
-    def _clean_staging(self, keep: set[str]) -> None:
-        """Partial downloads of contents no longer in the store, or already placed."""
-        try:
-            leftovers = [p for p in self.staging_root.iterdir() if p.name not in keep]
-        except FileNotFoundError:
-            return
-        for path in leftovers:
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _backdate(directory: Path, when: float) -> None:
-    """A downloaded single-file checkpoint keeps the store's quiet time, or the local gate
-    would wait `settle_seconds` a second time."""
-    for path in (*directory.iterdir(), directory):
-        os.utime(path, (when, when))
