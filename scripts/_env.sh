@@ -40,10 +40,14 @@ install_xla() {
   venv_pip "$XLA_VENV" install -q -e ".[test]"
 }
 
-# install_azurite: Azurite (Azure Blob's emulator) from npm under .tools/, unless it is there.
-AZURITE=${AZURITE:-azurite@3.37.0}
+# install_azurite: Azurite (Azure Blob's emulator) from npm under .tools/, unless that version
+# is there already.
+AZURITE_VERSION=${AZURITE_VERSION:-3.37.0}
 install_azurite() {
-  [ -x .tools/node_modules/.bin/azurite-blob ] && return 0
+  local installed=.tools/node_modules/azurite/package.json
+  if [ -f "$installed" ] && grep -q "\"version\": \"$AZURITE_VERSION\"" "$installed"; then
+    return 0
+  fi
   if ! command -v npm >/dev/null; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
       apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm >/dev/null
@@ -52,5 +56,5 @@ install_azurite() {
       return 1
     fi
   fi
-  npm install --prefix .tools --no-audit --no-fund --silent "$AZURITE"
+  npm install --prefix .tools --no-audit --no-fund --loglevel=error "azurite@$AZURITE_VERSION"
 }

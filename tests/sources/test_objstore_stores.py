@@ -3,14 +3,15 @@ each failure is one stable line that names its cause."""
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 
 import pytest
 
 from tests.support.store_fixtures import AZURITE_ACCOUNT, AZURITE_KEY, STORES, WRITABLE, Bucket
-from vllm_reloader.errors import SourceError
-from vllm_reloader.sources.objstore import Store, client_options
+from vllm_reloader.errors import ConfigError, SourceError
+from vllm_reloader.sources.objstore import CLIENT_KEYS, Store, client_options
 
 
 def closed_port() -> int:
@@ -102,13 +103,66 @@ def test_objstore_gcs_service_account_with_an_http_base_url_works_with_google_al
     assert "builder error" in failure(Store(bucket_url), times=1).detail, "http needs the user's allow"
 
 
-def test_objstore_proxy_set_for_the_store_is_used(bucket: Bucket, monkeypatch):
+def test_objstore_proxy_set_for_the_store_is_used_and_named_without_its_password(bucket: Bucket, monkeypatch):
     bucket.put("v1/a.bin", b"x")
     assert list(Store(bucket.url).list()[0]) == ["v1/a.bin"]
-    proxy = f"http://127.0.0.1:{closed_port()}"
-    monkeypatch.setenv("AWS_PROXY_URL", proxy)
-    reason = str(failure(Store(bucket.url, timeout=2)))
-    assert reason == f"LIST {bucket.url}: connection refused by {bucket.endpoint} (through the proxy {proxy})"
+    port = closed_port()
+    monkeypatch.setenv("AWS_PROXY_URL", f"http://alice:s3cret@127.0.0.1:{port}")
+    error = failure(Store(bucket.url, timeout=2))
+    assert str(error) == f"LIST {bucket.url}: connection refused by the proxy http://127.0.0.1:{port}"
+    assert "s3cret" not in str(error)
+
+
+def test_objstore_client_keys_are_every_option_obstore_takes():
+    import ast
+    from pathlib import Path
+
+    import obstore
+
+    typed = Path(obstore.__file__).parent / "_store" / "_client.pyi"
+    (config,) = [n for n in ast.parse(typed.read_text()).body if getattr(n, "name", "") == "ClientConfig"]
+    keys = {
+        n.target.id for n in config.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    }
+    assert keys - {"default_headers"} <= set(CLIENT_KEYS), "a map cannot come from one variable"
+
+
+def test_objstore_empty_variable_is_unset_and_a_bad_one_is_named(s3_env, monkeypatch):
+    monkeypatch.setenv("AWS_PROXY_URL", "")  # a templated EnvironmentFile's blank line
+    monkeypatch.setenv("AWS_TIMEOUT", "")
+    assert "proxy_url" not in client_options("s3://b/p", None, 30, dict(os.environ))
+    Store("s3://b/runs")
+    monkeypatch.setenv("AWS_TIMEOUT", "30")
+    with pytest.raises(
+        ConfigError, match=r"^source\.path 's3://b/runs': AWS_TIMEOUT='30' is refused: .*Duration"
+    ):
+        Store("s3://b/runs")
+
+
+def test_objstore_http_endpoint_without_its_allow_says_which_variable_to_set(s3_env, monkeypatch):
+    monkeypatch.delenv("AWS_ALLOW_HTTP")
+    reason = str(failure(Store("s3://b/runs")))
+    assert (
+        reason
+        == f"LIST s3://b/runs: http:// is not allowed for {s3_env}: set AWS_ALLOW_HTTP=true, or endpoint_url"
+    )
+
+
+def test_objstore_names_in_the_url_are_never_taken_for_a_cause(s3_env, monkeypatch):
+    odd = "s3://certificate-timedout-connectionreset/runs"
+    assert str(failure(Store(odd))) == f"LIST {odd}: NoSuchBucket (404 Not Found)"
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    assert str(failure(Store(odd, timeout=2))) == f"LIST {odd}: connection refused by {endpoint}"
+
+
+def test_objstore_s3_without_credentials_says_so_not_forbidden(monkeypatch, tmp_path):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    reason = str(failure(Store("s3://some-bucket/runs", timeout=2)))
+    assert reason.startswith("LIST s3://some-bucket/runs: no credentials: the token request to ")
 
 
 def test_objstore_unreachable_endpoint_is_one_stable_line_with_the_cause(s3_env, monkeypatch):
@@ -136,7 +190,8 @@ def test_objstore_https_to_a_plain_http_server_is_a_tls_failure(s3_env, monkeypa
     )
 
 
-def test_objstore_gcs_without_credentials_says_so_not_forbidden(monkeypatch):
+def test_objstore_gcs_without_credentials_says_so_not_forbidden(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))  # no developer's gcloud login
     for name in ("GOOGLE_SERVICE_ACCOUNT", "GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_SERVICE_ACCOUNT_KEY"):
         monkeypatch.delenv(name, raising=False)
     reason = str(failure(Store("gs://some-bucket/runs", timeout=2)))
@@ -157,6 +212,11 @@ def test_objstore_azure_wrong_key_is_forbidden_with_the_stores_code(azurite_endp
 @pytest.mark.stores(*STORES)
 def test_objstore_missing_bucket_is_not_found_in_the_stores_words(bucket: Bucket, store_kind: str):
     url = bucket.url.replace(bucket.name, "no-such-bucket")
-    reason = str(failure(Store(url)))
-    expected = {"s3": "NoSuchBucket", "azure": "ContainerNotFound (404 Not Found)", "gcs": "no bucket named"}
-    assert reason.startswith(f"LIST {url}: ") and expected[store_kind] in reason
+    expected = {
+        "s3": "NoSuchBucket (404 Not Found)",
+        "azure": "ContainerNotFound (404 Not Found)",
+        "gcs": "500 Internal Server Error",  # fake-gcs-server's; its message goes to status only
+    }
+    error = failure(Store(url))
+    assert str(error) == f"LIST {url}: {expected[store_kind]}"
+    assert store_kind != "gcs" or "no bucket named no-such-bucket" in error.detail

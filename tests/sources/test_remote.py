@@ -22,6 +22,7 @@ from vllm_reloader.checkpoint.completeness import DirectoryListing, Listed
 from vllm_reloader.checkpoint.conventions import Convention
 from vllm_reloader.checkpoint.files import INDEX_NAME
 from vllm_reloader.checkpoint.manifest import parse
+from vllm_reloader.errors import SourceError
 from vllm_reloader.service.control import Reply
 from vllm_reloader.service.daemon import Daemon
 from vllm_reloader.service.messages import ControlRequest
@@ -495,6 +496,27 @@ def test_remote_checkpoint_nothing_says_is_complete_is_pending_with_the_reason(t
     assert "save with safetensors" in harness.source.pending["old-style"]
     said = [e["name"] for e in logs if e["event"] == "checkpoint.pending"]
     assert sorted(said) == ["checkpoint-500", "old-style"], "once each, not at every poll"
+
+
+def test_remote_header_reads_refused_while_listing_works_is_one_failure_never_a_recovery(
+    tmp_path, bucket: Bucket
+):
+    """A LIST that works is no recovery when the same round's reads fail (a key policy that
+    refuses GET only): said once, not failed/recovered at every poll."""
+    directory = tmp_path / "hf" / "checkpoint-1"
+    shards = write_weights(directory, shards=2)
+    (directory / INDEX_NAME).write_bytes(hf_index(shards))
+    harness = foreign_harness(tmp_path, bucket, "hf-index")
+    bucket.upload_dir(directory, "checkpoint-1")
+
+    def refused(key: str, start: int, end: int, etag: str | None) -> memoryview:
+        raise SourceError(f"GET {bucket.url}/{key}: AccessDenied (403 Forbidden)")
+
+    harness.source.store.get_range = refused  # type: ignore[method-assign]
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(4):
+            harness.source.poll()
+    assert [e["event"] for e in logs if e["event"].startswith("source.")] == ["source.failed"]
 
 
 def test_remote_hf_shard_with_a_short_object_is_pending(tmp_path, bucket: Bucket):

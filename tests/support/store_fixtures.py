@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import queue
 import re
 import shutil
 import socket
@@ -199,14 +200,14 @@ def s3_auth_enforced() -> Iterator[None]:
 
 
 def azurite_program() -> str:
-    """`scripts/test` installs Azurite under .tools/; AZURITE_BLOB overrides."""
-    found = os.environ.get("AZURITE_BLOB") or shutil.which("azurite-blob")
+    """The pinned copy `scripts/test` installs under .tools/ (AZURITE_BLOB overrides; one on
+    PATH is the last resort)."""
     local = REPO / ".tools" / "node_modules" / ".bin" / "azurite-blob"
-    program = found or (str(local) if local.exists() else None)
+    program = os.environ.get("AZURITE_BLOB") or (
+        str(local) if local.exists() else shutil.which("azurite-blob")
+    )
     if program is None:
-        pytest.fail(
-            "azurite-blob is missing: `scripts/test` installs it (npm install --prefix .tools azurite)"
-        )
+        pytest.fail("azurite-blob is missing: scripts/test installs it (npm install --prefix .tools azurite)")
     return program
 
 
@@ -222,19 +223,31 @@ def azurite_endpoint() -> Iterator[str]:
         text=True,
     )
     assert process.stdout is not None
-    deadline = time.monotonic() + 60
-    endpoint = None
-    while endpoint is None and time.monotonic() < deadline and (line := process.stdout.readline()):
+    lines: queue.Queue[str] = queue.Queue()
+    stream = process.stdout
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in stream], daemon=True)
+    reader.start()  # drains the pipe all along: a full one would stall Azurite
+    deadline, endpoint, line = time.monotonic() + 60, None, ""
+    while endpoint is None and process.poll() is None and time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.2)
+        except queue.Empty:
+            continue
         if found := re.search(r"listens on (http://127\.0\.0\.1:\d+)", line):
             endpoint = found.group(1)
     if endpoint is None:
-        process.kill()
-        pytest.fail(f"Azurite did not start (last line: {line.strip()!r})")
-    threading.Thread(target=process.stdout.read, daemon=True).start()  # a full pipe would stall it
+        _end(process, reader)
+        pytest.fail(f"Azurite did not start in 60 s (last line: {line.strip()!r})")
     yield endpoint
+    _end(process, reader)
+
+
+def _end(process: subprocess.Popen[str], reader: threading.Thread) -> None:
     process.kill()  # in memory: nothing to save
     process.wait(10)
-    process.stdout.close()
+    reader.join(10)  # the pipe's end ends it
+    if process.stdout is not None:
+        process.stdout.close()
 
 
 @pytest.fixture

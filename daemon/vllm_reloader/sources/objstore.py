@@ -28,16 +28,9 @@ from obstore.exceptions import (
 from obstore.store import from_url
 
 from ..errors import ConfigError, ObjectChanged, PublishError, SourceError
+from . import reasons
 
-_CODE = re.compile(r"<Code>([^<]+)</Code>")
-_MESSAGE = re.compile(r"<Message>([^<\n]*)")
 _BAD_PATH = re.compile(r'Path "([^"]*)"')
-_STATUS = re.compile(r"status code: (\d{3} [^:]*)")
-_TIMING = re.compile(
-    r" in [\d.]+(?:ns|µs|us|ms|s)\b|, after \d+ retries, max_retries: \d+, retry_timeout: \S+"
-)
-_URL = re.compile(r"\b(?:GET|PUT|HEAD|POST|DELETE) (\w+://[^/\s?]+)")
-_CAUSE = re.compile(r'(?:message|error): "([^"]+)"')
 _ENV_PREFIX = {"s3": "AWS_", "gs": "GOOGLE_", "az": "AZURE_"}
 CLIENT_KEYS = (
     "allow_http",
@@ -46,6 +39,7 @@ CLIENT_KEYS = (
     "default_content_type",
     "http1_only",
     "http2_only",
+    "http2_max_frame_size",
     "http2_keep_alive_interval",
     "http2_keep_alive_timeout",
     "http2_keep_alive_while_idle",
@@ -54,10 +48,13 @@ CLIENT_KEYS = (
     "proxy_url",
     "proxy_ca_certificate",
     "proxy_excludes",
+    "randomize_addresses",
+    "read_timeout",
+    "root_certificate",
     "timeout",
     "user_agent",
 )
-"""The HTTP client's keys obstore would read from `<STORE>_<KEY>` variables."""
+"""The HTTP client's keys, each read from `<STORE>_<KEY>` (`root_certificate`: PEM text)."""
 
 
 @dataclass(frozen=True)
@@ -72,73 +69,35 @@ class Unlistable(SourceError):
     """A folder holding a key obstore cannot represent (`a//b`, `a/../b`): it cannot be listed."""
 
 
-def _one_line(exc: BaseException) -> str:
-    """The condition, the same at every retry: no timings, the cause kept (obstore's first
-    line says only "error sending request"; the cause is in its debug dump)."""
-    text = str(exc)
-    first = _TIMING.sub("", text.splitlines()[0]) if text else type(exc).__name__
-    host = url.group(1) if (url := _URL.search(first)) else "the store"
-    if "token request" in first:
-        status = _STATUS.search(text)
-        return (
-            f"no credentials: the token request to {host} failed"
-            f" ({status.group(1).strip() if status else _connect_failure(text, host) or 'no answer'});"
-            " set the store's credentials (see docs/object-storage.md)"
-        )
-    if failure := _connect_failure(text, host):
-        return failure
-    code, status = _CODE.search(text), _STATUS.search(text)
-    if code and not code.group(1).isdigit():
-        return code.group(1) + (f" ({status.group(1).strip()})" if status else "")
-    if status:
-        message = _MESSAGE.search(text)
-        return status.group(1).strip() + (f": {message.group(1).strip()}" if message else "")
-    return first[:300]
-
-
-def _connect_failure(text: str, host: str) -> str | None:
-    """Why no answer came (a store that answered, with any words in its body, is not this)."""
-    if "non-2xx status code" in text.partition("\n")[0]:
-        return None
-    if '"dns error"' in text:
-        return f"DNS lookup of {host} failed"
-    if "ConnectionRefused" in text:
-        return f"connection refused by {host}"
-    if "TimedOut" in text or "operation timed out" in text:
-        return f"no answer from {host} in time"
-    if "certificate" in text.lower():
-        return f"TLS: the certificate of {host} is not trusted"
-    if "InvalidContentType" in text or "InvalidMessage" in text or "CorruptMessage" in text:
-        return f"TLS handshake with {host} failed (is it a plain http:// endpoint?)"
-    return None
-
-
-def _detail(exc: BaseException) -> str:
-    """The store's own first line and the innermost cause, for `status`."""
-    text = str(exc)
-    first = _TIMING.sub("", text.splitlines()[0]) if text else type(exc).__name__
-    first = first.split(": <?xml", 1)[0].split(": <errorResponse>", 1)[0]
-    if code := _CODE.search(text):
-        message = _MESSAGE.search(text)
-        return f"{first[:500]}: {code.group(1)}" + (f": {message.group(1).strip()}" if message else "")
-    causes = _CAUSE.findall(text)
-    return first[:500] + (f"; cause: {causes[-1]}" if causes else "")
-
-
 def client_options(
     url: str, endpoint_url: str | None, timeout: float, environ: Mapping[str, str]
 ) -> dict[str, Any]:
     """The HTTP client's options. obstore reads them from the store's variables (`AWS_ALLOW_HTTP`,
     `AZURE_PROXY_URL`, `GOOGLE_ALLOW_INVALID_CERTIFICATES`, ...) only when none are passed, and
-    passing any replaces them all: so they are read here, and what the user set stays in force.
-    The config adds its timeouts where the environment sets none, and allows http for an
-    `http://` endpoint_url."""
+    passing any replaces them all: so they are read here, and what the user set stays in force
+    (an empty one counts as unset, as in a templated EnvironmentFile). The config adds its
+    timeouts where the environment sets none, and allows http for an `http://` endpoint_url."""
     prefix = _ENV_PREFIX[url.partition("://")[0]]
-    from_env = {key: environ[prefix + key.upper()] for key in CLIENT_KEYS if prefix + key.upper() in environ}
+    from_env = {
+        key: environ[prefix + key.upper()] for key in CLIENT_KEYS if environ.get(prefix + key.upper())
+    }
     options: dict[str, Any] = {"timeout": f"{timeout:g}s", "connect_timeout": "5s", **from_env}
     if (endpoint_url or "").startswith("http://"):
         options["allow_http"] = True
     return options
+
+
+def _bad_variable(url: str, options: Mapping[str, Any], config: Mapping[str, Any], prefix: str) -> str | None:
+    """The one environment variable without which obstore builds the store (builds only: no I/O)."""
+    for key in CLIENT_KEYS:
+        if key in options and os.environ.get(name := prefix + key.upper()):
+            try:
+                without = {k: v for k, v in options.items() if k != key}
+                from_url(url, client_options=without, **config)  # type: ignore[call-overload]
+            except (BaseError, ValueError):
+                continue
+            return f"{name}={options[key]!r} is refused"
+    return None
 
 
 class Store:
@@ -150,20 +109,23 @@ class Store:
         if endpoint_url:
             config["base_url" if url.startswith("gs://") else "endpoint"] = endpoint_url
         options = client_options(url, endpoint_url, timeout, os.environ)
-        self._via = f" (through the proxy {options['proxy_url']})" if "proxy_url" in options else ""
+        self._prefix = _ENV_PREFIX[url.partition("://")[0]]
+        self._proxy = reasons.without_password(options["proxy_url"]) if "proxy_url" in options else None
         try:
             self._store = from_url(  # type: ignore[call-overload]
                 self.url, client_options=options, retry_config={"max_retries": 2}, **config
             )
         except (BaseError, ValueError) as exc:
-            raise ConfigError(f"source.path {url!r}: {_one_line(exc)}") from exc
+            bad = _bad_variable(self.url, options, config, self._prefix)
+            why = f"{bad}: {reasons.first_line(str(exc))[:200]}" if bad else reasons.one_line(exc)
+            raise ConfigError(f"source.path {url!r}: {why}") from exc
 
     def _fail(self, what: str, key: str, exc: BaseException) -> SourceError:
         where = f"{self.url}/{key}" if key else self.url
         if isinstance(exc, PreconditionError):
             return ObjectChanged(f"{what} {where}: changed while being read")
-        via = self._via if _connect_failure(str(exc), "") else ""
-        return SourceError(f"{what} {where}: {_one_line(exc)}{via}", f"{what} {where}: {_detail(exc)}")
+        reason = reasons.one_line(exc, proxy=self._proxy, env_prefix=self._prefix)
+        return SourceError(f"{what} {where}: {reason}", f"{what} {where}: {reasons.detail(exc)}")
 
     def list(self) -> tuple[dict[str, Object], dict[str, str]]:
         """Every object under the prefix (key → size, ETag, time), and the top-level names

@@ -207,7 +207,6 @@ class RemoteSource:
         except SourceError as exc:
             self._report("source", exc, retry_in_s=self.config.source.interval)
             return
-        self._clear("source")
         placed = self._placed()
         candidates = {
             name: seen.candidate
@@ -249,6 +248,7 @@ class RemoteSource:
             if self.serving().replaced_by(order.Candidate(name, None, "")):
                 self._waiting(name, reason, waiting)
         self.pending = waiting
+        self._clear("source")  # the whole round read what it needed (a failed header read is no recovery)
 
     def _own_problem(self, name: str, seen: Seen) -> tuple[str, str] | None:
         """Why this candidate can never be placed, whatever a retry does, and the check that
