@@ -1,0 +1,40 @@
+"""The one frozen config object, parsed and validated once from TOML: the sections in
+`model`, the file in `loading`."""
+
+from .loading import MIN_KEY_CHARS, load, parse
+from .model import (
+    API_KEY_ENV,
+    DEFAULT_MARKERS,
+    REMOTE_SCHEMES,
+    CanaryConfig,
+    Config,
+    ConfigPath,
+    ControlConfig,
+    EngineConfig,
+    GateConfig,
+    LogConfig,
+    MetricsConfig,
+    RolloutConfig,
+    SourceConfig,
+    StateConfig,
+)
+
+__all__ = [
+    "API_KEY_ENV",
+    "DEFAULT_MARKERS",
+    "MIN_KEY_CHARS",
+    "REMOTE_SCHEMES",
+    "CanaryConfig",
+    "Config",
+    "ConfigPath",
+    "ControlConfig",
+    "EngineConfig",
+    "GateConfig",
+    "LogConfig",
+    "MetricsConfig",
+    "RolloutConfig",
+    "SourceConfig",
+    "StateConfig",
+    "load",
+    "parse",
+]
