@@ -66,6 +66,7 @@ def start(tmp_path: Path, root: Path) -> Iterator[Callable[..., Running]]:
         followers: Sequence[FakeEngine | str] = (),
         max_unavailable: int = 1,
         timeout: float = 10.0,
+        readiness: config.ReadinessConfig | None = None,
         **source: object,
     ) -> Running:
         """`followers`: more engines on the host, at `follower_url(i)`; a URL (a real socket, such
@@ -87,6 +88,7 @@ def start(tmp_path: Path, root: Path) -> Iterator[Callable[..., Running]]:
             ),
             state=config.StateConfig(dir=tmp_path / "state"),
             canary=canary or config.CanaryConfig(),
+            readiness=readiness or config.ReadinessConfig(),
         )
         fakes = [engine, *followers]
         clients = {

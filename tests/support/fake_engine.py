@@ -59,6 +59,8 @@ class FakeEngine:
         """With the extension: this rank answers without a load report (for the next load only)."""
         self.cache_reset_refused = False
         """Answer `{"success": false}` to every reset (blocks held by a KV transfer)."""
+        self.requests_running, self.requests_waiting = 3, 2
+        """What `/metrics` reports as in flight."""
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -122,8 +124,11 @@ class FakeEngine:
             success = self.running == 0 and not self.cache_reset_refused
             return httpx.Response(200, json={"success": success})
         if path == "/metrics":
-            return httpx.Response(200, text="# HELP x\nvllm:num_requests_running{model_name=\"tiny\"} 3.0\n"
-                                  "vllm:num_requests_waiting{model_name=\"tiny\"} 2.0\n")  # fmt: skip
+            return httpx.Response(
+                200,
+                text=f'# HELP x\nvllm:num_requests_running{{model_name="tiny"}} {self.requests_running}.0\n'
+                f'vllm:num_requests_waiting{{model_name="tiny"}} {self.requests_waiting}.0\n',
+            )
         if path == "/v1/completions":
             value = float("nan") if self.loaded in self.garbage else -0.5
             body = {"choices": [{"logprobs": {"token_logprobs": [value] * 2}}]}  # NaN as Python writes it

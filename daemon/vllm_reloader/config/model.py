@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -240,17 +241,41 @@ class ControlConfig(_Section):
     """The control socket (mode 0660); default `<state.dir>/control.sock`."""
 
 
+def _host_port(value: str | None) -> str | None:
+    port = value.rpartition(":")[2] if value is not None else ""
+    if value is not None and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError("must be HOST:PORT with a port from 1 to 65535, e.g. 127.0.0.1:9400")
+    return value
+
+
+Listen = Annotated[str | None, AfterValidator(_host_port)]
+
+
 class MetricsConfig(_Section):
-    listen: str | None = None
+    listen: Listen = None
     """`HOST:PORT` for the Prometheus endpoint; off when unset."""
 
-    @field_validator("listen")
-    @classmethod
-    def _host_port(cls, value: str | None) -> str | None:
-        port = value.rpartition(":")[2] if value is not None else ""
-        if value is not None and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
-            raise ValueError("must be HOST:PORT with a port from 1 to 65535, e.g. 127.0.0.1:9400")
-        return value
+
+class ReadinessConfig(_Section):
+    """What a load balancer or a kubelet reads to send an engine traffic or not
+    (`service.readiness`)."""
+
+    listen: Listen = None
+    """`HOST:PORT` for `GET /ready/<n>`; off when unset."""
+    drain: bool = False
+    """Take an engine out of rotation before its reload (not ready, then its requests in flight
+    finish), and back only after its canary passed or its rollback. Needs `listen`, and a
+    second engine to take the traffic: one engine alone is reloaded in place."""
+    grace: float = Field(2.0, ge=0, le=600)
+    """Seconds between marking it not ready and draining: at least the balancer's check interval."""
+    drain_timeout: float = Field(60.0, gt=0, le=3600)
+    """At most this long for its requests in flight to finish (vLLM's `/metrics`)."""
+
+    @model_validator(mode="after")
+    def _drain_needs_listen(self) -> ReadinessConfig:
+        if self.drain and self.listen is None:
+            raise ValueError("drain = true needs listen: the balancer reads readiness there")
+        return self
 
 
 class RolloutConfig(_Section):
@@ -280,6 +305,7 @@ class Config(_Section):
     log: LogConfig = LogConfig()
     control: ControlConfig = ControlConfig()
     metrics: MetricsConfig = MetricsConfig()
+    readiness: ReadinessConfig = ReadinessConfig()
     rollout: RolloutConfig = RolloutConfig()
 
     @model_validator(mode="after")

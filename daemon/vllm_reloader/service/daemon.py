@@ -45,6 +45,7 @@ from .messages import (
     WarmedUp,
 )
 from .notify import Notifier
+from .readiness import ReadinessServer
 from .reloader import Reloader
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -130,6 +131,7 @@ class Daemon:
         """Until SIGTERM (exit 0), or until a helper thread dies (exit 1: systemd restarts us)."""
         if self.config.metrics.listen:
             self.reloader.metrics.serve(self.config.metrics.listen)
+        readiness = self._serve_readiness()
         self.watcher.start()
         if self.remote:
             self.remote.start()
@@ -153,6 +155,8 @@ class Daemon:
             self.log.exception("daemon.crashed")
             self.exit_code = 1
         finally:
+            if readiness is not None:
+                readiness.close()
             self.control.close()
             if self.remote:
                 self.remote.close()
@@ -163,6 +167,22 @@ class Daemon:
                 "daemon.stopped", serving=serving.version if serving else None, exit_code=self.exit_code
             )
         return self.exit_code
+
+    def _serve_readiness(self) -> ReadinessServer | None:
+        """`GET /ready/<n>` for the balancer (its address is read at start only)."""
+        config = self.config.readiness
+        if config.listen is None:
+            return None
+        server = ReadinessServer(config.listen, self.reloader.engines.rotation)
+        server.start()
+        in_place = config.drain and len(self.config.engine.urls) < 2
+        self.log.info(
+            "readiness.listening",
+            listen=config.listen,
+            engines={str(n): url for n, url in enumerate(self.config.engine.urls)},
+            drain="in place: one engine alone" if in_place else "rotation" if config.drain else "off",
+        )
+        return server
 
     def _dead_helper(self) -> str | None:
         helpers: dict[str, Helper] = {

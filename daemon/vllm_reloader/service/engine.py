@@ -22,6 +22,7 @@ from ..errors import EngineError, EngineUnavailable
 from . import outcomes, reconcile, setup
 from .jobs import Ask, Job, ReloadWorker, Report, WarmUp
 from .metrics import Metrics
+from .readiness import Drain, Rotation
 from .served import Served
 from .state import Loaded
 
@@ -35,6 +36,7 @@ class Engine:
     log: Any
     """The daemon's logger with `engine=url` bound: every event about this engine names it."""
     metrics: Metrics
+    rotation: Rotation
     in_flight: Job | None = None
     retry_at_follow: float = 0.0
     """A follower whose reload failed is not tried again before this (monotonic)."""
@@ -58,6 +60,7 @@ class Engine:
         post: Callable[[Report], None],
         log: Any,
         metrics: Metrics,
+        rotation: Rotation,
         client: EngineClient | None = None,
     ) -> Engine:
         return cls(
@@ -67,6 +70,7 @@ class Engine:
             worker=ReloadWorker(post, name=f"reload-worker {url}"),
             log=log.bind(engine=url),
             metrics=metrics,
+            rotation=rotation,
         )
 
     @property
@@ -100,6 +104,7 @@ class Engine:
         config: Config,
         *,
         detect_ms: float | None,
+        drain: Drain | None = None,
     ) -> None:
         """Hand a reload (and its canary) to this engine's reload thread. `detect_ms`: how long
         a new checkpoint took to be found (None, and not logged, for what was not just found)."""
@@ -127,6 +132,7 @@ class Engine:
             canary=config.canary,
             strategy=strategy,
             extension=served.extension,
+            drain=drain,
         )
         self.worker.submit(self.in_flight)
 
@@ -142,10 +148,13 @@ class Engine:
     def answered(self, now: float, check_interval: float) -> None:
         self.served.answered(now, check_interval)
         self.metrics.engine_up.labels(engine=self.url).set(1)
+        if self.served.reconciled:
+            self.rotation.put_back(self.url, "down")
 
     def went_down(self, exc: EngineError, retry_max: float) -> None:
         wait = self.served.went_down(time.monotonic(), retry_max, str(exc))
         self.metrics.engine_up.labels(engine=self.url).set(0)
+        self.rotation.take_out(self.url, "down", str(exc))
         self.log.warning(
             "engine.unreachable" if isinstance(exc, EngineUnavailable) else "engine.error",
             url=self.url,
@@ -230,6 +239,7 @@ class Engine:
         """Said once the state file holds what it means (whoever reads it on the line finds it)."""
         fields = {"version": serving.version, "path": serving.path, "engine_reported": version}
         self.log.info("engine.reconciled", **fields, **learned.found.logged())
+        self.rotation.put_back(self.url, "down")
 
     def settle(self, version: str, serving: Loaded, canary: CanaryConfig, *, paused: bool) -> None:
         """After `learn`, unless a restore runs: resume an engine found paused (only a daemon

@@ -4,18 +4,20 @@ SIGHUP and closed together, and the loop's way to an engine's answers (`answered
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ..checkpoint import layout
-from ..config import EngineConfig
+from ..config import EngineConfig, ReadinessConfig
 from ..engine.client import EngineClient
 from ..errors import EngineError, EngineNotSetUp
 from . import rollout, status
 from .engine import Engine
 from .jobs import Answered, Ask, Job, Report
 from .metrics import Metrics
+from .readiness import Drain, Rotation
 from .state import Loaded
 
 History = tuple[Loaded | None, tuple[Loaded, ...]]
@@ -38,6 +40,10 @@ class Engines:
         self.config, self.post, self.log, self.metrics = config, post, log, metrics
         self.clients = dict(clients)
         """Made by the caller (tests: scripted engines); the others are made here."""
+        self.rotation = Rotation(config.urls)
+        """Which engines should take traffic (`GET /ready/<n>`)."""
+        self.stopping = threading.Event()
+        """Set at `close`: a reload thread waiting for its engine to drain stops waiting."""
         self.all = [self._make(config, url, history) for url in config.urls]
         self.retired: list[Engine] = []
 
@@ -51,6 +57,7 @@ class Engines:
             post=self.post,
             log=self.log,
             metrics=self.metrics,
+            rotation=self.rotation,
             client=self.clients.get(url),
         )
 
@@ -94,6 +101,7 @@ class Engines:
         """Every engine's thread is told to stop first, so a shutdown waits `wait` seconds in
         all for calls under way, not that much per engine."""
         engines = (*self.all, *self.retired)
+        self.stopping.set()
         for engine in engines:
             engine.worker.stop()
         until = time.monotonic() + wait
@@ -143,6 +151,7 @@ class Engines:
             else:
                 self.retired.append(dropped)
         self.all = regrouped
+        self.rotation.track(config.urls)
 
     def views(self, want: Loaded | None, pinned: str | None, now: float) -> tuple[status.EngineView, ...]:
         return tuple(self._view(e, want, pinned, now) for e in self.all)
@@ -181,6 +190,13 @@ class Engines:
                     f"engine {engine.url} serves a model whose layout differs from engine {other.url}'s "
                     f"({difference[0]}): the engines of one daemon must serve the same model"
                 )
+
+    def drain(self, config: ReadinessConfig) -> Drain | None:
+        """How a reload takes its engine out of rotation first; None to reload it in place
+        (drain off, or one engine alone: taking it out would leave none)."""
+        if not config.drain or len(self.all) < 2:
+            return None
+        return Drain(self.rotation, config.grace, config.drain_timeout, self.stopping)
 
     def check_now(self) -> None:
         """Ask every engine now, and retry a failed follower now, instead of at the next timer."""

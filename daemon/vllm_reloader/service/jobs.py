@@ -25,6 +25,7 @@ from ..engine import canary
 from ..engine.client import EngineClient
 from ..engine.swap import Target, hot_swap
 from ..errors import EngineCallFailed, EngineError, EngineNotSetUp, ReloaderError, ReloadFailed
+from .readiness import Drain
 from .state import Loaded
 
 FLUSH_PROBES = 5
@@ -45,6 +46,8 @@ class Job:
     started: float = field(default_factory=time.monotonic)
     loading: Loaded | None = None
     """What the engine serves once this succeeds (its name, step and fingerprint)."""
+    drain: Drain | None = None
+    """Out of rotation first, back after the canary (or the rollback); None: in place."""
 
     @property
     def fallback(self) -> Target | None:
@@ -153,6 +156,16 @@ class ReloadWorker:
         failpoints.hit("after_gate")
         if problem := job.target.changed():
             return Outcome(job, 0.0, changed=problem)
+        if job.drain is None:
+            return self._swap(job, started)
+        drained = job.drain.out(job.client.url, job.client.requests_in_flight)
+        try:
+            outcome = self._swap(job, started)
+        finally:
+            job.drain.back(job.client.url)  # after the canary passed, or the rollback
+        return replace(outcome, timings={**drained, **(outcome.timings or {})})
+
+    def _swap(self, job: Job, started: float) -> Outcome:
         resume_errors: list[EngineError] = []
         try:
             timings = hot_swap(

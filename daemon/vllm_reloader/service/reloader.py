@@ -361,7 +361,8 @@ class Reloader:
         lag_ms = detection_lag_ms(Path(loading.path)) if found else None
         if lag_ms is not None:
             self.metrics.detection_lag.observe(lag_ms / 1000)
-        engine.load(candidate, loading, size, fallback, self.config, detect_ms=lag_ms)
+        drain = self.engines.drain(self.config.readiness)
+        engine.load(candidate, loading, size, fallback, self.config, detect_ms=lag_ms, drain=drain)
 
     def reverified(self, result: Reverified) -> None:
         if self.targets.reverified(result, self.engines):

@@ -1,0 +1,132 @@
+"""Which engines should take traffic, for the load balancer in front of them.
+
+`GET /ready/<n>` (n: the engine's place in `engine.urls`, from 0) answers 200 while engine n
+should take traffic and 503, with why, while it should not: not answering yet or down, or
+out of rotation for a reload (`[readiness] drain`: taken out before its pause, back only
+after its canary passed or its rollback). HAProxy's `option httpchk GET /ready/0`, Envoy's
+health checks and a Kubernetes readiness probe all read it.
+
+`Rotation` is written by the loop (an engine up or down) and by the engines' reload threads
+(drain), and read by the server's threads; one lock, no I/O under it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from ..errors import ConfigError
+
+NOT_YET = "not reconciled yet"
+
+
+class Rotation:
+    def __init__(self, urls: Sequence[str]) -> None:
+        self._lock = threading.Lock()
+        self.urls: tuple[str, ...] = ()
+        self._out: dict[str, dict[str, str]] = {}
+        """url → why it is out, by cause ("down", "drain"): ready when there is none."""
+        self.track(urls)
+
+    def track(self, urls: Sequence[str]) -> None:
+        """The engines now (a SIGHUP may change them): new ones are out until reconciled."""
+        with self._lock:
+            self._out = {url: self._out.get(url, {"down": NOT_YET}) for url in urls}
+            self.urls = tuple(urls)
+
+    def take_out(self, url: str, cause: str, why: str) -> None:
+        with self._lock:
+            self._out.setdefault(url, {})[cause] = why
+
+    def put_back(self, url: str, cause: str) -> None:
+        with self._lock:
+            self._out.get(url, {}).pop(cause, None)
+
+    def why_out(self, url: str) -> str | None:
+        """None when the engine should take traffic."""
+        with self._lock:
+            found = self._out.get(url, {})
+            return "; ".join(f"{cause}: {why}" for cause, why in sorted(found.items())) or None
+
+
+@dataclass(frozen=True)
+class Drain:
+    """How a reload thread takes its engine out of rotation and waits for it to empty."""
+
+    rotation: Rotation
+    grace: float
+    """Seconds for the balancer to see the engine not ready (at least its check interval)."""
+    timeout: float
+    """At most this long for the requests in flight to finish."""
+    stop: threading.Event
+
+    def out(self, url: str, in_flight: Callable[[], int | None]) -> dict[str, float | int | None]:
+        """Take it out, wait `grace`, then until nothing is in flight (or `timeout`)."""
+        started = time.monotonic()
+        self.rotation.take_out(url, "drain", "out of rotation for a reload")
+        self.stop.wait(self.grace)
+        left = in_flight()
+        deadline = started + self.grace + self.timeout
+        while left and time.monotonic() < deadline and not self.stop.wait(0.1):
+            left = in_flight()
+        return {"drain_ms": round((time.monotonic() - started) * 1000, 3), "in_flight_at_pause": left}
+
+    def back(self, url: str) -> None:
+        self.rotation.put_back(url, "drain")
+
+
+class ReadinessServer:
+    """`GET /ready/<n>` on `listen` (HOST:PORT), in threads of its own."""
+
+    def __init__(self, listen: str, rotation: Rotation) -> None:
+        host, _, port = listen.rpartition(":")
+        handler = type("Handler", (_Handler,), {"rotation": rotation})
+        try:
+            self.server = ThreadingHTTPServer((host.strip("[]") or "127.0.0.1", int(port)), handler)
+        except OSError as exc:
+            raise ConfigError(f"readiness.listen {listen}: cannot listen: {exc.strerror or exc}") from exc
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, name="readiness", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return int(self.server.server_address[1])
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    rotation: Rotation
+
+    def do_GET(self) -> None:
+        head, _, index = self.path.partition("?")[0].removeprefix("/ready/").partition("/")
+        urls = self.rotation.urls
+        if (
+            not self.path.startswith("/ready/")
+            or index
+            or not (head.isascii() and head.isdigit())
+            or int(head) >= len(urls)
+        ):
+            self._answer(404, f"no such engine: GET /ready/N, N from 0 to {len(urls) - 1}\n")
+            return
+        why = self.rotation.why_out(urls[int(head)])
+        self._answer(200, "ready\n") if why is None else self._answer(503, f"{why}\n")
+
+    def _answer(self, status: int, text: str) -> None:
+        body = text.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        """Health checks every second would flood the log: said nowhere."""

@@ -1,0 +1,175 @@
+"""Readiness for the load balancer: `GET /ready/<n>` over a real socket, and an engine drained
+out of rotation before its pause, back only after its canary (or its rollback)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.support.checkpoints import MakeCheckpoint
+from tests.support.fake_engine import FakeEngine
+from vllm_reloader import config
+from vllm_reloader.errors import ConfigError
+from vllm_reloader.service.readiness import NOT_YET, Drain, ReadinessServer, Rotation
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[Rotation, str]]:
+    rotation = Rotation(["http://a", "http://b"])
+    server = ReadinessServer("127.0.0.1:0", rotation)
+    server.start()
+    yield rotation, f"http://127.0.0.1:{server.port}"
+    server.close()
+
+
+def test_readiness_is_503_until_reconciled_then_200_and_names_why_an_engine_is_out(served):
+    rotation, base = served
+    answer = httpx.get(f"{base}/ready/0")
+    assert (answer.status_code, answer.text) == (503, f"down: {NOT_YET}\n")
+    rotation.put_back("http://a", "down")
+    assert httpx.get(f"{base}/ready/0").status_code == 200
+    assert httpx.get(f"{base}/ready/1").status_code == 503, "each engine on its own"
+    rotation.take_out("http://a", "drain", "out of rotation for a reload")
+    answer = httpx.get(f"{base}/ready/0")
+    assert (answer.status_code, answer.text) == (503, "drain: out of rotation for a reload\n")
+    rotation.put_back("http://a", "drain")
+    assert httpx.get(f"{base}/ready/0?probe=1").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path", ["/ready/2", "/ready/x", "/ready/", "/ready/0/x", "/metrics", "/ready/\u0660"]
+)
+def test_readiness_answers_404_to_what_names_no_engine(served, path: str):
+    _, base = served
+    answer = httpx.get(f"{base}{path}")
+    assert answer.status_code == 404 and "N from 0 to 1" in answer.text
+
+
+def test_readiness_engines_a_sighup_adds_start_out_and_kept_ones_keep_their_state():
+    rotation = Rotation(["http://a"])
+    rotation.put_back("http://a", "down")
+    rotation.track(["http://a", "http://c"])
+    assert rotation.why_out("http://a") is None and rotation.why_out("http://c") == f"down: {NOT_YET}"
+
+
+def test_readiness_listen_taken_is_a_config_error():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(ConfigError, match=r"^readiness\.listen 127\.0\.0\.1:\d+: cannot listen"):
+            ReadinessServer(f"127.0.0.1:{taken.getsockname()[1]}", Rotation(["http://a"]))
+
+
+def test_readiness_drain_without_listen_is_a_config_error():
+    text = (
+        '[source]\npath = "/r"\n[engine]\nurl = "http://e"\n[state]\ndir = "/s"\n[readiness]\ndrain = true\n'
+    )
+    with pytest.raises(ConfigError, match="drain = true needs listen"):
+        config.parse(text)
+
+
+def test_drain_waits_its_grace_then_until_nothing_is_in_flight():
+    rotation, stop = Rotation(["http://a"]), threading.Event()
+    answers = iter([4, 2, 0])
+    drained = Drain(rotation, grace=0.05, timeout=5.0, stop=stop).out("http://a", lambda: next(answers))
+    assert drained["in_flight_at_pause"] == 0 and 50 <= drained["drain_ms"] < 2000
+    assert rotation.why_out("http://a") is not None and "drain" in rotation.why_out("http://a")
+
+
+def test_drain_gives_up_at_its_timeout_and_a_stop_ends_the_wait():
+    rotation, stop = Rotation(["http://a"]), threading.Event()
+    drained = Drain(rotation, grace=0.0, timeout=0.3, stop=stop).out("http://a", lambda: 7)
+    assert drained["in_flight_at_pause"] == 7 and 300 <= drained["drain_ms"] < 3000
+    stop.set()
+    drained = Drain(rotation, grace=60.0, timeout=60.0, stop=stop).out("http://a", lambda: 7)
+    assert drained["drain_ms"] < 1000, "the daemon stopping does not wait out a drain"
+
+
+def readiness_config(**drain: object) -> config.ReadinessConfig:
+    return config.ReadinessConfig(listen=f"127.0.0.1:{free_port()}", **drain)  # type: ignore[arg-type]
+
+
+def ready(running, n: int) -> tuple[int, str]:
+    listen = running.daemon.config.readiness.listen
+    answer = httpx.get(f"http://{listen}/ready/{n}", timeout=5)
+    return answer.status_code, answer.text.strip()
+
+
+def test_daemon_takes_an_engine_out_of_rotation_before_its_pause_and_back_after_its_canary(
+    start, root, make_checkpoint: MakeCheckpoint
+):
+    make_checkpoint("step-1", step=1, root=root)
+    canary_engine, follower = FakeEngine(str(root / "step-1")), FakeEngine(str(root / "step-1"))
+    canary_engine.requests_running = canary_engine.requests_waiting = 0
+    follower.requests_running = follower.requests_waiting = 0
+    seen: list[tuple[tuple[int, str], tuple[int, str], bool]] = []
+    running = start(canary_engine, followers=[follower], readiness=readiness_config(drain=True, grace=0.2))
+    canary_engine.during_load = lambda _path: seen.append(
+        (ready(running, 0), ready(running, 1), canary_engine.paused)
+    )
+    listening = running.wait_for("readiness.listening")
+    assert listening["drain"] == "rotation" and listening["engines"]["1"] == "http://engine2.test"
+    running.wait_for("engine.reconciled", engine="http://engine2.test")
+    running.wait_for("engine.reconciled", engine="http://engine.test")
+    assert ready(running, 0) == (200, "ready") and ready(running, 1) == (200, "ready")
+    make_checkpoint("step-2", step=2, root=root, seed=1)
+    done = running.wait_for("reload.succeeded", version="step-2", engine="http://engine.test")
+    assert seen == [((503, "drain: out of rotation for a reload"), (200, "ready"), True)]
+    assert done["in_flight_at_pause"] == 0 and done["drain_ms"] >= 200
+    assert ready(running, 0) == (200, "ready"), "back once its canary passed"
+
+
+def test_daemon_keeps_an_engine_out_through_its_canary_and_rollback(
+    start, root, make_checkpoint: MakeCheckpoint
+):
+    make_checkpoint("step-1", step=1, root=root)
+    canary_engine, follower = FakeEngine(str(root / "step-1")), FakeEngine(str(root / "step-1"))
+    canary_engine.requests_running = canary_engine.requests_waiting = 0
+    statuses: list[int] = []
+    running = start(canary_engine, followers=[follower], readiness=readiness_config(drain=True, grace=0.0))
+    canary_engine.during_load = lambda _path: statuses.append(ready(running, 0)[0])
+    running.wait_for("engine.reconciled", engine="http://engine.test")
+    bad = make_checkpoint("step-2", step=2, root=root, seed=1)
+    canary_engine.garbage.add(str(bad))
+    running.wait_for("reload.rolled_back", timeout=20)
+    assert statuses == [503, 503], "out while loading the bad weights and while loading the good ones back"
+    assert ready(running, 0) == (200, "ready")
+
+
+def test_daemon_with_one_engine_reloads_it_in_place_and_says_so(start, root, make_checkpoint: MakeCheckpoint):
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(str(root / "step-1"))
+    statuses: list[int] = []
+    running = start(engine, readiness=readiness_config(drain=True))
+    engine.during_load = lambda _path: statuses.append(ready(running, 0)[0])
+    assert running.wait_for("readiness.listening")["drain"] == "in place: one engine alone"
+    running.wait_for("engine.reconciled")
+    make_checkpoint("step-2", step=2, root=root, seed=1)
+    done = running.wait_for("reload.succeeded", version="step-2")
+    assert statuses == [200] and "drain_ms" not in done
+
+
+def test_daemon_says_an_engine_that_stops_answering_is_not_ready(
+    start, root, make_checkpoint: MakeCheckpoint
+):
+    from tests.support.fake_engine import unreachable
+
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(str(root / "step-1"))
+    running = start(engine, engine_check_interval=0.05, readiness=readiness_config())
+    running.wait_for("engine.reconciled")
+    assert ready(running, 0) == (200, "ready")
+    engine.fail["/weight_info"] = unreachable()
+    running.wait_for("engine.unreachable")
+    status, why = ready(running, 0)
+    assert status == 503 and why.startswith("down: ")
