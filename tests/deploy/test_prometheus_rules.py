@@ -28,12 +28,35 @@ def test_promtool_passes_the_alerting_rules(command: list[str]):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_alerting_rules_name_only_metrics_the_daemon_exports():
+def exported_names() -> set[str]:
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
-    exported = {
+    return {
         family.name + suffix
         for family in Metrics().registry.collect()
         for suffix in suffixes.get(family.type, ("",))
     }
+
+
+def test_alerting_rules_name_only_metrics_the_daemon_exports():
     named = set(re.findall(r"\bvllm_reloader_\w+", (RULES / "alerts.yml").read_text()))
-    assert named and named <= exported, f"not exported: {named - exported}"
+    assert named and named <= exported_names(), f"not exported: {named - exported_names()}"
+
+
+def test_grafana_dashboard_queries_only_metrics_the_daemon_exports_and_promtool_parses_them(tmp_path: Path):
+    import json
+
+    dashboard = json.loads((RULES.parent / "grafana" / "vllm-reloader.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    named = {name for expr in exprs for name in re.findall(r"\bvllm_reloader_\w+", expr)}
+    assert named and named <= exported_names(), f"not exported: {named - exported_names()}"
+    rules = tmp_path / "dashboard.yml"  # each query as a recording rule: promtool parses PromQL
+    rules.write_text(
+        "groups:\n  - name: dashboard\n    rules:\n"
+        + "".join(
+            f"      - record: dashboard:q{i}\n        expr: {json.dumps(e)}\n" for i, e in enumerate(exprs)
+        )
+    )
+    done = subprocess.run(
+        [promtool(), "check", "rules", str(rules)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
