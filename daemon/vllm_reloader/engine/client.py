@@ -8,6 +8,7 @@ it is `swap.hot_swap`.
 from __future__ import annotations
 
 import contextlib
+import math
 import socket
 import threading
 from collections.abc import Mapping, Sequence
@@ -163,7 +164,8 @@ class EngineClient:
                     found = True
                 except (IndexError, ValueError):
                     continue
-        return int(total) if found and response.status_code == 200 else None
+        usable = found and response.status_code == 200 and math.isfinite(total) and total >= 0
+        return int(total) if usable else None
 
     def is_paused(self) -> bool:
         body = self._call("GET", "/is_paused")

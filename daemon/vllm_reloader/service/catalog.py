@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import stat
 import time
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
@@ -23,6 +23,7 @@ from ..checkpoint.manifest import MANIFEST_NAME
 from ..checkpoint.manifest import parse as parse_manifest
 from ..errors import ManifestInvalid, NotJSONYet
 from ..sources import cache, local
+from .jobs import Job
 from .reconcile import version_of
 from .served import Served
 from .state import Loaded, Rejection
@@ -184,12 +185,12 @@ class Catalog:
             )
         }
 
-    def prune_downloads(self, engines: Sequence[Served], in_flight: Set[str], keep: int) -> None:
+    def prune_downloads(self, engines: Sequence[Served], jobs: Sequence[Job], keep: int) -> None:
         """Delete downloaded checkpoints but what any engine serves, its last good one (nobody
         else deletes from the cache, so it stays intact: enough to roll back to), its startup
         model, those in flight, the pinned one, those that would load next, and the `keep`
         newest others."""
-        protected = set(in_flight) | ({self.pinned} if self.pinned else set())
+        protected = {job.candidate.name for job in jobs} | ({self.pinned} if self.pinned else set())
         for served in engines:
             protected |= {loaded.name for loaded in (served.serving, served.last_good) if loaded is not None}
             if served.startup and Path(served.startup).parent == self.root:

@@ -242,8 +242,9 @@ class Daemon:
         return all(now - job.started < self._reload_budget() for job in self.reloader.jobs())
 
     def _reload_budget(self) -> float:
-        engine = self.config.engine
-        return engine.pause_timeout + 2 * engine.reload_timeout + 6 * engine.timeout
+        engine, readiness = self.config.engine, self.config.readiness
+        drain = readiness.grace + readiness.drain_timeout if readiness.drain else 0.0
+        return drain + engine.pause_timeout + 2 * engine.reload_timeout + 6 * engine.timeout
 
     def _stop_deadline(self) -> float:
         assert self.stopping_since is not None
@@ -318,6 +319,7 @@ class Daemon:
         elif self.stopping_since is None:
             self.stopping_since = time.monotonic()
             self.notifier.stopping()
+            self.reloader.engines.stopping.set()  # a reload still draining pauses nothing
             if self.reloader.gating is not None:
                 self.reloader.gating.cancel.set()
             jobs = self.reloader.jobs()

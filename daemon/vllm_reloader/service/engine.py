@@ -16,11 +16,17 @@ from typing import Any
 
 from ..checkpoint import order
 from ..config import CanaryConfig, Config, EngineConfig
-from ..engine.client import BUILTIN_LOADER_FIX, BUILTIN_LOADER_RISK, STARTUP_VERSION, EngineClient
+from ..engine.client import (
+    BUILTIN_LOADER_FIX,
+    BUILTIN_LOADER_RISK,
+    RELOADING_PREFIX,
+    STARTUP_VERSION,
+    EngineClient,
+)
 from ..engine.swap import Target
 from ..errors import EngineError, EngineUnavailable
 from . import outcomes, reconcile, setup
-from .jobs import Ask, Job, ReloadWorker, Report, WarmUp
+from .jobs import Ask, Job, Outcome, ReloadWorker, Report, WarmUp
 from .metrics import Metrics
 from .readiness import Drain, Rotation
 from .served import Served
@@ -144,6 +150,7 @@ class Engine:
                 "engine.changed", engine_reported=version, expected=serving.version if serving else None
             )
             self.served.reconciled = False
+            self.rotation.take_out(self.url, "down", "its weights changed under us: reconciling")
 
     def answered(self, now: float, check_interval: float) -> None:
         self.served.answered(now, check_interval)
@@ -164,7 +171,24 @@ class Engine:
 
     def _resumed(self, _: object = None) -> None:
         self.served.resume_owed = False
+        self.rotation.put_back(self.url, "paused")
         self.log.info("engine.resumed")
+
+    def rotate(self, outcome: Outcome, decision: outcomes.Decision) -> None:
+        """After a reload: back in rotation only on weights that passed (or the good ones
+        loaded back cleanly) and resumed; a reload that never paused changes nothing."""
+        if decision.result == "changed":
+            self.rotation.put_back(self.url, "drain")
+            return
+        if decision.resume_owed:
+            self.rotation.take_out(self.url, "paused", "its resume failed: retrying")
+        canary_ok = outcome.canary_failed is None or (outcome.rolled_back and outcome.flush_probes > 0)
+        if decision.engine_down is None and decision.set_serving and decision.serving and canary_ok:
+            self.rotation.put_back(self.url, "drain")
+            self.rotation.put_back(self.url, "weights")
+        else:
+            self.rotation.put_back(self.url, "drain")
+            self.rotation.take_out(self.url, "weights", "its last reload did not end on verified weights")
 
     def as_follower(self, decision: outcomes.Decision, config: EngineConfig) -> outcomes.Decision:
         """A follower loads a version that passed on the canary engine: a failed reload here is
@@ -240,6 +264,8 @@ class Engine:
         fields = {"version": serving.version, "path": serving.path, "engine_reported": version}
         self.log.info("engine.reconciled", **fields, **learned.found.logged())
         self.rotation.put_back(self.url, "down")
+        if version.startswith(RELOADING_PREFIX):  # a mix of two checkpoints: out until a good one loads
+            self.rotation.take_out(self.url, "weights", "a reload was interrupted: its weights are unknown")
 
     def settle(self, version: str, serving: Loaded, canary: CanaryConfig, *, paused: bool) -> None:
         """After `learn`, unless a restore runs: resume an engine found paused (only a daemon
@@ -255,8 +281,11 @@ class Engine:
 
         def done(_: object) -> None:
             if paused:
+                self.rotation.put_back(self.url, "paused")
                 self.log.warning("engine.resumed", reason="found paused at reconcile")
 
+        if paused:
+            self.rotation.take_out(self.url, "paused", "found paused: resuming it")
         if paused or name is not None:
             self.ask(calls, done)
         if canary.enabled:

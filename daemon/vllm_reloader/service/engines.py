@@ -18,6 +18,7 @@ from .engine import Engine
 from .jobs import Answered, Ask, Job, Report
 from .metrics import Metrics
 from .readiness import Drain, Rotation
+from .served import Served
 from .state import Loaded
 
 History = tuple[Loaded | None, tuple[Loaded, ...]]
@@ -74,6 +75,9 @@ class Engines:
 
     def jobs(self) -> list[Job]:
         return [e.in_flight for e in (*self.all, *self.retired) if e.in_flight is not None]
+
+    def served(self) -> list[Served]:
+        return [e.served for e in self.all]
 
     def busy(self) -> int:
         return sum(e.in_flight is not None for e in self.all)
@@ -143,6 +147,7 @@ class Engines:
                 engine.worker.submit(Ask(old, EngineClient.close))  # after what it runs with it
                 engine.asking = None  # its answer, if one comes, was asked of the old client
             engine.served.reconciled = False
+            self.rotation.take_out(url, "down", "reconciling after a config reload")
             regrouped.append(engine)
         for dropped in current.values():
             dropped.log.info("engine.dropped")
@@ -191,12 +196,11 @@ class Engines:
                     f"({difference[0]}): the engines of one daemon must serve the same model"
                 )
 
-    def drain(self, config: ReadinessConfig) -> Drain | None:
+    def drain(self, config: ReadinessConfig, url: str) -> Drain | None:
         """How a reload takes its engine out of rotation first; None to reload it in place
-        (drain off, or one engine alone: taking it out would leave none)."""
-        if not config.drain or len(self.all) < 2:
-            return None
-        return Drain(self.rotation, config.grace, config.drain_timeout, self.stopping)
+        (drain off, or no other engine takes traffic now: taking it out would leave none)."""
+        drain = Drain(self.rotation, config.grace, config.drain_timeout, self.stopping)
+        return drain if config.drain and drain.others_ready(url) else None
 
     def check_now(self) -> None:
         """Ask every engine now, and retry a failed follower now, instead of at the next timer."""

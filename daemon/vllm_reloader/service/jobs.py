@@ -159,10 +159,11 @@ class ReloadWorker:
         if job.drain is None:
             return self._swap(job, started)
         drained = job.drain.out(job.client.url, job.client.requests_in_flight)
-        try:
-            outcome = self._swap(job, started)
-        finally:
-            job.drain.back(job.client.url)  # after the canary passed, or the rollback
+        if drained is None:  # nothing paused: the engine serves what it did, and goes back
+            return Outcome(job, 0.0, changed="the daemon is stopping: not reloaded")
+        if problem := job.target.changed():  # again: the drain took time
+            return Outcome(job, 0.0, changed=problem)
+        outcome = self._swap(job, started)
         return replace(outcome, timings={**drained, **(outcome.timings or {})})
 
     def _swap(self, job: Job, started: float) -> Outcome:

@@ -12,15 +12,18 @@ health checks and a Kubernetes readiness probe all read it.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from ..errors import ConfigError
 
 NOT_YET = "not reconciled yet"
+MAX_CLIENTS = 32
 
 
 class Rotation:
@@ -63,19 +66,26 @@ class Drain:
     """At most this long for the requests in flight to finish."""
     stop: threading.Event
 
-    def out(self, url: str, in_flight: Callable[[], int | None]) -> dict[str, float | int | None]:
-        """Take it out, wait `grace`, then until nothing is in flight (or `timeout`)."""
+    def out(self, url: str, in_flight: Callable[[], int | None]) -> dict[str, float | int | None] | None:
+        """Take it out, wait `grace`, then until nothing is in flight (or `timeout`); None when
+        the daemon began stopping meanwhile (then nothing is paused: the caller puts it back).
+        It comes back when the loop has seen the reload end on verified weights
+        (`Engine.rotate`), not here."""
         started = time.monotonic()
         self.rotation.take_out(url, "drain", "out of rotation for a reload")
-        self.stop.wait(self.grace)
+        if self.stop.wait(self.grace):
+            return None
         left = in_flight()
         deadline = started + self.grace + self.timeout
-        while left and time.monotonic() < deadline and not self.stop.wait(0.1):
+        while left and time.monotonic() < deadline:
+            if self.stop.wait(0.5):
+                return None
             left = in_flight()
         return {"drain_ms": round((time.monotonic() - started) * 1000, 3), "in_flight_at_pause": left}
 
-    def back(self, url: str) -> None:
-        self.rotation.put_back(url, "drain")
+    def others_ready(self, url: str) -> bool:
+        """Whether another engine takes traffic now: else taking this one out leaves none."""
+        return any(self.rotation.why_out(other) is None for other in self.rotation.urls if other != url)
 
 
 class ReadinessServer:
@@ -83,12 +93,13 @@ class ReadinessServer:
 
     def __init__(self, listen: str, rotation: Rotation) -> None:
         host, _, port = listen.rpartition(":")
+        host = host.strip("[]") or "127.0.0.1"
         handler = type("Handler", (_Handler,), {"rotation": rotation})
+        server = _Server6 if ":" in host else _Server
         try:
-            self.server = ThreadingHTTPServer((host.strip("[]") or "127.0.0.1", int(port)), handler)
+            self.server = server((host, int(port)), handler)
         except OSError as exc:
             raise ConfigError(f"readiness.listen {listen}: cannot listen: {exc.strerror or exc}") from exc
-        self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, name="readiness", daemon=True)
 
     @property
@@ -103,8 +114,39 @@ class ReadinessServer:
         self.server.server_close()
 
 
+class _Server(ThreadingHTTPServer):
+    """At most `MAX_CLIENTS` at once (a client that never finishes its request holds a
+    thread until `_Handler.timeout`): more are closed at once, so no caller exhausts threads."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        super().__init__(address, handler)
+        self.slots = threading.BoundedSemaphore(MAX_CLIENTS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
 class _Handler(BaseHTTPRequestHandler):
     rotation: Rotation
+    timeout = 5  # seconds for a client to send its request
+
+    def do_HEAD(self) -> None:
+        self.do_GET()
 
     def do_GET(self) -> None:
         head, _, index = self.path.partition("?")[0].removeprefix("/ready/").partition("/")
@@ -112,7 +154,7 @@ class _Handler(BaseHTTPRequestHandler):
         if (
             not self.path.startswith("/ready/")
             or index
-            or not (head.isascii() and head.isdigit())
+            or not (head.isascii() and head.isdigit() and len(head) < 6)
             or int(head) >= len(urls)
         ):
             self._answer(404, f"no such engine: GET /ready/N, N from 0 to {len(urls) - 1}\n")
@@ -126,7 +168,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/plain; charset=utf-8")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":
+            self.wfile.write(body)
 
     def log_message(self, format: str, *args: object) -> None:
         """Health checks every second would flood the log: said nowhere."""

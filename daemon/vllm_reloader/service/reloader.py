@@ -114,8 +114,7 @@ class Reloader:
         self.engines.close()
 
     def reconfigure(self, config: Config) -> None:
-        """SIGHUP: the daemon swapped in a new config; follow it (engines are reconciled again,
-        added or dropped as `urls` says)."""
+        """SIGHUP: follow the new config (engines reconciled again, added or dropped by `urls`)."""
         old, self.config = self.config, config
         self.catalog.configure(
             config.checkpoint_root, config.source.ignore, gate.GateOptions.from_config(config).convention
@@ -185,6 +184,7 @@ class Reloader:
         elif outcome.job.candidate.fingerprint:  # not a restore
             self._tell(fleet.judged(outcome.job, decision))
         self._apply(engine, decision)
+        engine.rotate(outcome, decision)
 
     def _tell(self, verdict: Verdict | None) -> None:
         if verdict is not None and self.on_verdict is not None:
@@ -260,12 +260,12 @@ class Reloader:
             return False
         engine.log.warning("engine.weights_unknown", engine_reported=marker, restoring=target.version)
         self.set_serving(engine, None)
-        self._restore(engine, target)
+        self._restore(engine, target, drain=False)  # it may be paused: nothing would drain
         return True
 
-    def _restore(self, engine: Engine, target: Loaded) -> None:
+    def _restore(self, engine: Engine, target: Loaded, *, drain: bool = True) -> None:
         """Load a checkpoint back (not a new version: no canary verdict for the fleet)."""
-        self._load(engine, order.Candidate(target.name, target.step, ""), target, 0)
+        self._load(engine, order.Candidate(target.name, target.step, ""), target, 0, drain=drain)
 
     def _rollback_target(self, engine: Engine, skip: str | None = None) -> Loaded | None:
         options = gate.GateOptions.from_config(self.config)
@@ -353,16 +353,18 @@ class Reloader:
             self.ready = Ready(order.Candidate(name, manifest.step, verdict.fingerprint), loading, size)
             self._advance()
 
-    def _load(self, engine: Engine, candidate: order.Candidate, loading: Loaded, size: int) -> None:
+    def _load(
+        self, engine: Engine, candidate: order.Candidate, loading: Loaded, size: int, *, drain: bool = True
+    ) -> None:
+        """Detection lag is of a new checkpoint, not of a restore, a follower or a pin (a pin's
+        manifest may be days old). `drain`: False for an engine paused or of unknown weights."""
         fallback = self._rollback_target(engine, skip=candidate.name)
-        # Detection is of a new checkpoint: a restore, a follower or a pin loads what was found
-        # long before (a pin's manifest may be days old), so its lag is not measured.
         found = bool(candidate.fingerprint) and candidate.name != self.catalog.pinned
         lag_ms = detection_lag_ms(Path(loading.path)) if found else None
         if lag_ms is not None:
             self.metrics.detection_lag.observe(lag_ms / 1000)
-        drain = self.engines.drain(self.config.readiness)
-        engine.load(candidate, loading, size, fallback, self.config, detect_ms=lag_ms, drain=drain)
+        out = self.engines.drain(self.config.readiness, engine.url) if drain else None
+        engine.load(candidate, loading, size, fallback, self.config, detect_ms=lag_ms, drain=out)
 
     def reverified(self, result: Reverified) -> None:
         if self.targets.reverified(result, self.engines):
@@ -371,10 +373,10 @@ class Reloader:
             self._rollback_target(engine)
 
     def prune_cache(self) -> None:
-        """Downloads only (a local root is the trainer's): keep what serves or may be rolled back to."""
-        if self.config.source.remote:
-            in_flight = {job.candidate.name for job in self.jobs()}
-            self.catalog.prune_downloads([e.served for e in self.engines], in_flight, self.config.state.keep)
+        if self.config.source.remote:  # downloads only: a local root is the trainer's
+            self.catalog.prune_downloads(
+                [e.served for e in self.engines], self.jobs(), self.config.state.keep
+            )
 
     def set_serving(self, engine: Engine, serving: Loaded | None, *, good: Loaded | None = None) -> None:
         if serving is not None and serving.step is not None:
