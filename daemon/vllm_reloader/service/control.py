@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, ControlError
+from .bounded import Bounded
 
 COMMANDS = ("status", "reload", "pin", "unpin")
 ANSWER_TIMEOUT = 30.0
@@ -67,26 +68,13 @@ class Reply:
         return self._answer.get(timeout=timeout)  # claimed just now: the answer is being made
 
 
-class _Server(socketserver.ThreadingUnixStreamServer):
-    daemon_threads = True
+class _Server(Bounded, socketserver.UnixStreamServer):
+    def limit(self) -> int:
+        return MAX_CLIENTS
 
-    def __init__(self, path: str, handler: type[socketserver.BaseRequestHandler]) -> None:
-        self.slots = threading.BoundedSemaphore(MAX_CLIENTS)
-        super().__init__(path, handler)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):
-            with contextlib.suppress(OSError):
-                request.sendall(b'{"ok": false, "error": "busy: too many control clients at once"}\n')
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
+    def refuse(self, request: Any) -> None:
+        with contextlib.suppress(OSError):
+            request.sendall(b'{"ok": false, "error": "busy: too many control clients at once"}\n')
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that went away or said nothing is not the daemon's error."""

@@ -17,10 +17,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from http.server import BaseHTTPRequestHandler, HTTPServer
 
 from ..errors import ConfigError
+from .bounded import Bounded
 
 NOT_YET = "not reconciled yet"
 MAX_CLIENTS = 32
@@ -114,27 +114,9 @@ class ReadinessServer:
         self.server.server_close()
 
 
-class _Server(ThreadingHTTPServer):
-    """At most `MAX_CLIENTS` at once (a client that never finishes its request holds a
-    thread until `_Handler.timeout`): more are closed at once, so no caller exhausts threads."""
-
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
-        super().__init__(address, handler)
-        self.slots = threading.BoundedSemaphore(MAX_CLIENTS)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
+class _Server(Bounded, HTTPServer):
+    def limit(self) -> int:
+        return MAX_CLIENTS
 
 
 class _Server6(_Server):

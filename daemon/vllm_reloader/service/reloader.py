@@ -356,8 +356,7 @@ class Reloader:
     def _load(
         self, engine: Engine, candidate: order.Candidate, loading: Loaded, size: int, *, drain: bool = True
     ) -> None:
-        """Detection lag is of a new checkpoint, not of a restore, a follower or a pin (a pin's
-        manifest may be days old). `drain`: False for an engine paused or of unknown weights."""
+        """`drain`: False for a paused engine or unknown weights; lag only for new checkpoints."""
         fallback = self._rollback_target(engine, skip=candidate.name)
         found = bool(candidate.fingerprint) and candidate.name != self.catalog.pinned
         lag_ms = detection_lag_ms(Path(loading.path)) if found else None
