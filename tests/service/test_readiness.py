@@ -13,15 +13,10 @@ import pytest
 
 from tests.support.checkpoints import MakeCheckpoint
 from tests.support.fake_engine import FakeEngine
+from tests.support.ports import unused_port
 from vllm_reloader import config
 from vllm_reloader.errors import ConfigError
 from vllm_reloader.service.readiness import NOT_YET, Drain, ReadinessServer, Rotation
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @pytest.fixture
@@ -82,15 +77,16 @@ def test_readiness_drain_without_listen_is_a_config_error():
 def test_drain_waits_its_grace_then_until_nothing_is_in_flight():
     rotation, stop = Rotation(["http://a"]), threading.Event()
     answers = iter([4, 2, 0])
-    drained = Drain(rotation, grace=0.05, timeout=5.0, stop=stop).out("http://a", lambda: next(answers))
-    assert drained is not None and drained["in_flight_at_pause"] == 0 and 1000 <= drained["drain_ms"] < 4000
+    drained = Drain(rotation, grace=0.05, timeout=60.0, stop=stop).out("http://a", lambda: next(answers))
+    assert drained is not None and drained["in_flight_at_pause"] == 0 and drained["drain_ms"] >= 50
+    assert list(answers) == [], "asked until nothing was in flight, then no more"
     assert "drain" in (rotation.why_out("http://a") or ""), "back only once the loop saw the reload end"
 
 
 def test_drain_gives_up_at_its_timeout_and_a_stop_ends_it_pausing_nothing():
     rotation, stop = Rotation(["http://a"]), threading.Event()
     drained = Drain(rotation, grace=0.0, timeout=0.3, stop=stop).out("http://a", lambda: 7)
-    assert drained is not None and drained["in_flight_at_pause"] == 7 and 300 <= drained["drain_ms"] < 3000
+    assert drained is not None and drained["in_flight_at_pause"] == 7 and drained["drain_ms"] >= 300
     stop.set()
     assert Drain(rotation, grace=60.0, timeout=60.0, stop=stop).out("http://a", lambda: 7) is None
 
@@ -117,7 +113,7 @@ def test_engine_metrics_that_are_not_numbers_are_unknown_in_flight():
 
 
 def readiness_config(**drain: object) -> config.ReadinessConfig:
-    return config.ReadinessConfig(listen=f"127.0.0.1:{free_port()}", **drain)  # type: ignore[arg-type]
+    return config.ReadinessConfig(listen=f"127.0.0.1:{unused_port()}", **drain)  # type: ignore[arg-type]
 
 
 def ready(running, n: int) -> tuple[int, str]:

@@ -5,19 +5,13 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 
 import pytest
 
+from tests.support.ports import unused_port
 from tests.support.store_fixtures import AZURITE_ACCOUNT, AZURITE_KEY, STORES, WRITABLE, Bucket
 from vllm_reloader.errors import ConfigError, SourceError
 from vllm_reloader.sources.objstore import CLIENT_KEYS, Store, client_options
-
-
-def closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def failure(store: Store, times: int = 2) -> SourceError:
@@ -106,7 +100,7 @@ def test_objstore_gcs_service_account_with_an_http_base_url_works_with_google_al
 def test_objstore_proxy_set_for_the_store_is_used_and_named_without_its_password(bucket: Bucket, monkeypatch):
     bucket.put("v1/a.bin", b"x")
     assert list(Store(bucket.url).list()[0]) == ["v1/a.bin"]
-    port = closed_port()
+    port = unused_port()
     monkeypatch.setenv("AWS_PROXY_URL", f"http://alice:s3cret@127.0.0.1:{port}")
     error = failure(Store(bucket.url, timeout=2))
     assert str(error) == f"LIST {bucket.url}: connection refused by the proxy http://127.0.0.1:{port}"
@@ -151,7 +145,7 @@ def test_objstore_http_endpoint_without_its_allow_says_which_variable_to_set(s3_
 def test_objstore_names_in_the_url_are_never_taken_for_a_cause(s3_env, monkeypatch):
     odd = "s3://certificate-timedout-connectionreset/runs"
     assert str(failure(Store(odd))) == f"LIST {odd}: NoSuchBucket (404 Not Found)"
-    endpoint = f"http://127.0.0.1:{closed_port()}"
+    endpoint = f"http://127.0.0.1:{unused_port()}"
     monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
     assert str(failure(Store(odd, timeout=2))) == f"LIST {odd}: connection refused by {endpoint}"
 
@@ -166,7 +160,7 @@ def test_objstore_s3_without_credentials_says_so_not_forbidden(monkeypatch, tmp_
 
 
 def test_objstore_unreachable_endpoint_is_one_stable_line_with_the_cause(s3_env, monkeypatch):
-    endpoint = f"http://127.0.0.1:{closed_port()}"
+    endpoint = f"http://127.0.0.1:{unused_port()}"
     monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
     error = failure(Store("s3://b/runs", timeout=2))
     assert str(error) == f"LIST s3://b/runs: connection refused by {endpoint}"

@@ -17,7 +17,6 @@ import os
 import queue
 import re
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -29,6 +28,8 @@ from urllib.parse import quote
 
 import httpx
 import pytest
+
+from tests.support.ports import unused_port
 
 STORES = ("s3", "azure", "gcs")
 WRITABLE = ("s3", "azure")
@@ -272,9 +273,7 @@ def fake_gcs_program() -> Path:
 
 @pytest.fixture(scope="session")
 def gcs_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = unused_port()
     endpoint = f"http://127.0.0.1:{port}"
     process = subprocess.Popen(
         [

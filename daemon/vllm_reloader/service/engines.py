@@ -199,8 +199,9 @@ class Engines:
     def drain(self, config: ReadinessConfig, url: str) -> Drain | None:
         """How a reload takes its engine out of rotation first; None to reload it in place
         (drain off, or no other engine takes traffic now: taking it out would leave none)."""
-        drain = Drain(self.rotation, config.grace, config.drain_timeout, self.stopping)
-        return drain if config.drain and drain.others_ready(url) else None
+        if not (config.drain and self.rotation.others_ready(url)):
+            return None
+        return Drain(self.rotation, config.grace, config.drain_timeout, self.stopping)
 
     def check_now(self) -> None:
         """Ask every engine now, and retry a failed follower now, instead of at the next timer."""

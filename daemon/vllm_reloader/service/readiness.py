@@ -48,6 +48,10 @@ class Rotation:
         with self._lock:
             self._out.get(url, {}).pop(cause, None)
 
+    def others_ready(self, url: str) -> bool:
+        """Whether another engine takes traffic now: else taking this one out leaves none."""
+        return any(self.why_out(other) is None for other in self.urls if other != url)
+
     def why_out(self, url: str) -> str | None:
         """None when the engine should take traffic."""
         with self._lock:
@@ -82,10 +86,6 @@ class Drain:
                 return None
             left = in_flight()
         return {"drain_ms": round((time.monotonic() - started) * 1000, 3), "in_flight_at_pause": left}
-
-    def others_ready(self, url: str) -> bool:
-        """Whether another engine takes traffic now: else taking this one out leaves none."""
-        return any(self.rotation.why_out(other) is None for other in self.rotation.urls if other != url)
 
 
 class ReadinessServer:

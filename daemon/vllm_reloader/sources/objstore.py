@@ -77,7 +77,7 @@ def client_options(
     passing any replaces them all: so they are read here, and what the user set stays in force
     (an empty one counts as unset, as in a templated EnvironmentFile). The config adds its
     timeouts where the environment sets none, and allows http for an `http://` endpoint_url."""
-    prefix = _ENV_PREFIX[url.partition("://")[0]]
+    prefix = _env_prefix(url)
     from_env = {
         key: environ[prefix + key.upper()] for key in CLIENT_KEYS if environ.get(prefix + key.upper())
     }
@@ -85,6 +85,11 @@ def client_options(
     if (endpoint_url or "").startswith("http://"):
         options["allow_http"] = True
     return options
+
+
+def _env_prefix(url: str) -> str:
+    """The prefix of the store's own variables: `AWS_`, `GOOGLE_`, `AZURE_`."""
+    return _ENV_PREFIX[url.partition("://")[0]]
 
 
 def _bad_variable(url: str, options: Mapping[str, Any], config: Mapping[str, Any], prefix: str) -> str | None:
@@ -109,7 +114,7 @@ class Store:
         if endpoint_url:
             config["base_url" if url.startswith("gs://") else "endpoint"] = endpoint_url
         options = client_options(url, endpoint_url, timeout, os.environ)
-        self._prefix = _ENV_PREFIX[url.partition("://")[0]]
+        self._prefix = _env_prefix(url)
         self._proxy = reasons.without_password(options["proxy_url"]) if "proxy_url" in options else None
         try:
             self._store = from_url(  # type: ignore[call-overload]
