@@ -6,7 +6,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -16,6 +17,7 @@ from tests.support.fake_engine import FakeEngine
 from tests.support.ports import unused_port
 from vllm_reloader import config
 from vllm_reloader.errors import ConfigError
+from vllm_reloader.service import readiness
 from vllm_reloader.service.readiness import NOT_YET, Drain, ReadinessServer, Rotation
 
 
@@ -74,8 +76,15 @@ def test_readiness_drain_without_listen_is_a_config_error():
         config.parse(text)
 
 
+def two_in_rotation() -> Rotation:
+    rotation = Rotation(["http://a", "http://b"])
+    for url in rotation.urls:
+        rotation.put_back(url, "down")
+    return rotation
+
+
 def test_drain_waits_its_grace_then_until_nothing_is_in_flight():
-    rotation, stop = Rotation(["http://a"]), threading.Event()
+    rotation, stop = two_in_rotation(), threading.Event()
     answers = iter([4, 2, 0])
     drained = Drain(rotation, grace=0.05, timeout=60.0, stop=stop).out("http://a", lambda: next(answers))
     assert drained is not None and drained["in_flight_at_pause"] == 0 and drained["drain_ms"] >= 50
@@ -84,11 +93,79 @@ def test_drain_waits_its_grace_then_until_nothing_is_in_flight():
 
 
 def test_drain_gives_up_at_its_timeout_and_a_stop_ends_it_pausing_nothing():
-    rotation, stop = Rotation(["http://a"]), threading.Event()
+    rotation, stop = two_in_rotation(), threading.Event()
     drained = Drain(rotation, grace=0.0, timeout=0.3, stop=stop).out("http://a", lambda: 7)
     assert drained is not None and drained["in_flight_at_pause"] == 7 and drained["drain_ms"] >= 300
     stop.set()
     assert Drain(rotation, grace=60.0, timeout=60.0, stop=stop).out("http://a", lambda: 7) is None
+
+
+def later(seconds: float, action: Callable[[], object]) -> threading.Thread:
+    thread = threading.Thread(target=lambda: (time.sleep(seconds), action()), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_drain_waits_past_its_grace_until_a_health_check_has_read_the_engine_out():
+    rotation, stop = two_in_rotation(), threading.Event()
+    assert rotation.asked("http://a") is None, "a balancer reads it"
+    said: list[str | None] = []
+    checker = later(0.4, lambda: said.append(rotation.asked("http://a")))  # a check slower than the grace
+    drained = Drain(rotation, grace=0.05, timeout=30.0, stop=stop).out("http://a", lambda: 0)
+    checker.join()
+    assert said == ["drain: out of rotation for a reload"] and drained is not None
+    assert drained["drain_ms"] >= 400 and drained["in_flight_at_pause"] == 0
+
+
+def test_drain_waits_only_its_grace_where_no_balancer_checks_the_engines(monkeypatch):
+    monkeypatch.setattr(readiness, "WATCHED_WITHIN", 0.2)
+    rotation, stop = two_in_rotation(), threading.Event()
+    rotation.asked("http://a")  # an operator's curl, long ago: no balancer to wait for
+    time.sleep(0.3)
+    drained = Drain(rotation, grace=0.05, timeout=30.0, stop=stop).out("http://a", lambda: 0)
+    assert drained is not None and drained["drain_ms"] < 10_000 and drained["in_flight_at_pause"] == 0
+
+
+def test_drain_takes_nothing_out_until_the_engine_put_back_before_it_is_seen_back():
+    rotation, stop = two_in_rotation(), threading.Event()
+    rotation.take_out("http://b", "drain", "out of rotation for a reload")
+    assert rotation.asked("http://b") is not None, "the balancer saw b out"
+    rotation.put_back("http://b", "drain")  # b's reload ended: back, but not seen back yet
+    assert rotation.others_ready("http://a") and not rotation.others_ready("http://a", seen=True)
+    seen_a: list[str | None] = []
+    checker = later(0.3, lambda: (seen_a.append(rotation.why_out("http://a")), rotation.asked("http://b")))
+    drained = Drain(rotation, grace=0.0, timeout=30.0, stop=stop).out("http://a", lambda: 0)
+    checker.join()
+    assert seen_a == [None], "a stayed in rotation while b was not seen back"
+    assert drained is not None and drained["drain_ms"] >= 300 and "drained" not in drained
+    assert rotation.why_out("http://a") == "drain: out of rotation for a reload"
+
+
+def test_drain_reloads_in_place_when_no_other_engine_is_seen_back_within_its_timeout():
+    rotation, stop = two_in_rotation(), threading.Event()
+    rotation.take_out("http://b", "drain", "out of rotation for a reload")
+    rotation.asked("http://b")
+    rotation.put_back("http://b", "drain")  # and no check reads it again: the balancer is gone
+    drained = Drain(rotation, grace=0.0, timeout=0.2, stop=stop).out("http://a", lambda: 0)
+    assert drained is not None and drained["drained"] is False and drained["drain_ms"] >= 200
+    assert rotation.why_out("http://a") is None, "never taken out: a balancer with none would refuse all"
+
+
+def test_readiness_server_says_nothing_when_a_check_goes_away_before_its_answer(capfd):
+    import struct
+
+    rotation = two_in_rotation()
+    server = ReadinessServer("127.0.0.1:0", rotation)
+    server.start()
+    try:
+        for _ in range(20):
+            with socket.create_connection(("127.0.0.1", server.port)) as client:
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                client.sendall(b"GET /ready/0 HTTP/1.1\r\nHost: x\r\n\r\n")  # then reset
+        assert httpx.get(f"http://127.0.0.1:{server.port}/ready/0").status_code == 200
+    finally:
+        server.close()
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_readiness_server_answers_head_and_ipv6_and_refuses_huge_numbers():
@@ -122,6 +199,25 @@ def ready(running, n: int) -> tuple[int, str]:
     return answer.status_code, answer.text.strip()
 
 
+@contextmanager
+def checking(running, engines: int) -> Iterator[None]:
+    """A balancer's health checks: each engine's readiness read every 50 ms."""
+    done = threading.Event()
+
+    def check() -> None:
+        while not done.wait(0.05):
+            for n in range(engines):
+                ready(running, n)
+
+    thread = threading.Thread(target=check, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 def test_daemon_takes_an_engine_out_of_rotation_before_its_pause_and_back_after_its_canary(
     start, root, make_checkpoint: MakeCheckpoint
 ):
@@ -139,8 +235,9 @@ def test_daemon_takes_an_engine_out_of_rotation_before_its_pause_and_back_after_
     running.wait_for("engine.reconciled", engine="http://engine2.test")
     running.wait_for("engine.reconciled", engine="http://engine.test")
     assert ready(running, 0) == (200, "ready") and ready(running, 1) == (200, "ready")
-    make_checkpoint("step-2", step=2, root=root, seed=1)
-    done = running.wait_for("reload.succeeded", version="step-2", engine="http://engine.test")
+    with checking(running, 2):  # a balancer reads them: the drain waits for it to read the engine out
+        make_checkpoint("step-2", step=2, root=root, seed=1)
+        done = running.wait_for("reload.succeeded", version="step-2", engine="http://engine.test")
     assert seen == [((503, "drain: out of rotation for a reload"), (200, "ready"), True)]
     assert done["in_flight_at_pause"] == 0 and done["drain_ms"] >= 200
     assert ready(running, 0) == (200, "ready"), "back once its canary passed"

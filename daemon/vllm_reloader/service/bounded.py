@@ -5,6 +5,7 @@ rather than let any caller exhaust the daemon's threads."""
 from __future__ import annotations
 
 import socketserver
+import sys
 import threading
 from typing import Any
 
@@ -33,6 +34,11 @@ class Bounded(socketserver.ThreadingMixIn):
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client gone before its answer (a balancer's check that timed out) is no error of ours."""
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)  # type: ignore[misc]
 
     def refuse(self, request: Any) -> None:
         """Say why, if the protocol has a way (before the connection is shut)."""

@@ -198,7 +198,8 @@ class Engines:
 
     def drain(self, config: ReadinessConfig, url: str) -> Drain | None:
         """How a reload takes its engine out of rotation first; None to reload it in place
-        (drain off, or no other engine takes traffic now: taking it out would leave none)."""
+        (drain off, or no other engine is in rotation: taking it out would leave none). One
+        the balancer has not seen back yet counts: the drain waits for it (`Drain.out`)."""
         if not (config.drain and self.rotation.others_ready(url)):
             return None
         return Drain(self.rotation, config.grace, config.drain_timeout, self.stopping)

@@ -23,6 +23,9 @@ from ..errors import ConfigError
 from .bounded import Bounded
 
 NOT_YET = "not reconciled yet"
+WATCHED_WITHIN = 5.0
+"""Seconds: a drain waits for the balancer's checks where one read an engine this recently
+(or within twice the grace, for slow checkers such as Kubernetes' 10 s probes)."""
 MAX_CLIENTS = 32
 
 
@@ -32,6 +35,9 @@ class Rotation:
         self.urls: tuple[str, ...] = ()
         self._out: dict[str, dict[str, str]] = {}
         """url → why it is out, by cause ("down", "drain"): ready when there is none."""
+        self._asked: dict[str, tuple[float, bool]] = {}
+        """url → when a health check last read it (monotonic), and whether it read "ready":
+        what the balancer last saw, where one reads it."""
         self.track(urls)
 
     def track(self, urls: Sequence[str]) -> None:
@@ -48,15 +54,44 @@ class Rotation:
         with self._lock:
             self._out.get(url, {}).pop(cause, None)
 
-    def others_ready(self, url: str) -> bool:
-        """Whether another engine takes traffic now: else taking this one out leaves none."""
-        return any(self.why_out(other) is None for other in self.urls if other != url)
+    def others_ready(self, url: str, *, seen: bool = False) -> bool:
+        """Whether another engine takes traffic now (else taking this one out leaves none);
+        `seen`: and the balancer's last check of it read it ready (one just put back takes no
+        traffic until a check has seen it back)."""
+        with self._lock:
+            return any(
+                self._why(other) is None and (not seen or self._asked.get(other, (0.0, True))[1])
+                for other in self.urls
+                if other != url
+            )
 
     def why_out(self, url: str) -> str | None:
         """None when the engine should take traffic."""
         with self._lock:
-            found = self._out.get(url, {})
-            return "; ".join(f"{cause}: {why}" for cause, why in sorted(found.items())) or None
+            return self._why(url)
+
+    def _why(self, url: str) -> str | None:
+        found = self._out.get(url, {})
+        return "; ".join(f"{cause}: {why}" for cause, why in sorted(found.items())) or None
+
+    def asked(self, url: str) -> str | None:
+        """A health check reads it: `why_out`, and when it was read."""
+        with self._lock:
+            why = self._why(url)
+            self._asked[url] = (time.monotonic(), why is None)
+            return why
+
+    def unseen_since(self, url: str, since: float) -> bool:
+        """Whether health checks read this engine before `since` and none has since: the
+        balancer has not seen what changed then. False when none ever did (nothing to wait for)."""
+        with self._lock:
+            return url in self._asked and self._asked[url][0] < since
+
+    def watched(self, within: float) -> bool:
+        """Whether a balancer checks these engines: one was read in the last `within` seconds
+        (an operator's one `curl` long ago is no balancer to wait for)."""
+        with self._lock:
+            return any(at >= time.monotonic() - within for at, _ in self._asked.values())
 
 
 @dataclass(frozen=True)
@@ -71,21 +106,38 @@ class Drain:
     stop: threading.Event
 
     def out(self, url: str, in_flight: Callable[[], int | None]) -> dict[str, float | int | None] | None:
-        """Take it out, wait `grace`, then until nothing is in flight (or `timeout`); None when
+        """Once another engine takes traffic as the balancer sees it (else, after `timeout`, the
+        reload goes on in place: `drained` false), take it out, wait `grace` and, where a
+        balancer checks the engines, until one has read it out, then until nothing is in
+        flight (all within `grace + timeout`); None when
         the daemon began stopping meanwhile (then nothing is paused: the caller puts it back).
         It comes back when the loop has seen the reload end on verified weights
         (`Engine.rotate`), not here."""
+        begun = time.monotonic()
+        watched = self.rotation.watched(max(2 * self.grace, WATCHED_WITHIN))
+        while not self.rotation.others_ready(url, seen=watched):  # one back, not seen back yet
+            if time.monotonic() > begun + self.timeout:  # never seen: in place, not none serving
+                return {"drain_ms": _ms_since(begun), "in_flight_at_pause": None, "drained": False}
+            if self.stop.wait(0.02):
+                return None
         started = time.monotonic()
         self.rotation.take_out(url, "drain", "out of rotation for a reload")
         if self.stop.wait(self.grace):
             return None
-        left = in_flight()
         deadline = started + self.grace + self.timeout
+        while watched and self.rotation.unseen_since(url, started) and time.monotonic() < deadline:
+            if self.stop.wait(0.02):  # a check slower than the grace (a loaded host): wait for it
+                return None
+        left = in_flight()
         while left and time.monotonic() < deadline:
             if self.stop.wait(0.5):
                 return None
             left = in_flight()
-        return {"drain_ms": round((time.monotonic() - started) * 1000, 3), "in_flight_at_pause": left}
+        return {"drain_ms": _ms_since(begun), "in_flight_at_pause": left}
+
+
+def _ms_since(started: float) -> float:
+    return round((time.monotonic() - started) * 1000, 3)
 
 
 class ReadinessServer:
@@ -141,7 +193,7 @@ class _Handler(BaseHTTPRequestHandler):
         ):
             self._answer(404, f"no such engine: GET /ready/N, N from 0 to {len(urls) - 1}\n")
             return
-        why = self.rotation.why_out(urls[int(head)])
+        why = self.rotation.asked(urls[int(head)])
         self._answer(200, "ready\n") if why is None else self._answer(503, f"{why}\n")
 
     def _answer(self, status: int, text: str) -> None:
