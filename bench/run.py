@@ -6,7 +6,7 @@ noisy). `--quick` shrinks sizes and counts to check the suite works, not to meas
     .venv/bin/python bench/run.py [--quick] [--engine] [--out bench/results.json]
 
 `--engine` adds the end-to-end run on a real CPU vLLM engine (a ~1 GB model; minutes) and the
-rolling update over two such engines.
+rolling update over two such engines, and the same behind HAProxy with drain on and off.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import detection
 import download
+import drain
 import footprint
 import gate
 import responsive
@@ -39,6 +40,7 @@ QUICK = {
     "footprint": ["--checkpoints", "20", "--seconds", "2"],
     "e2e": ["--hidden", "64", "--layers", "2", "--rounds", "1"],
     "rolling": ["--hidden", "64", "--layers", "2", "--rounds", "1"],
+    "drain": ["--hidden", "96", "--layers", "2"],
 }
 FULL = {
     "detection": [],
@@ -56,6 +58,7 @@ FULL = {
     "footprint": [],
     "e2e": [],
     "rolling": [],
+    "drain": [],
 }
 
 
@@ -92,7 +95,7 @@ def main() -> None:
         staged,
         download,
         footprint,
-        *((e2e, rolling) if args.engine else ()),
+        *((e2e, rolling, drain) if args.engine else ()),
     ):
         name = module.__name__
         with contextlib.redirect_stdout(io.StringIO()):  # each prints its JSON lines; the table is ours

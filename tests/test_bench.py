@@ -78,6 +78,21 @@ def test_bench_rolling_update_of_two_real_engines_reports_its_ratio_to_one():
     _measured(report, "ratio", "ideal", "ratio_vs_ideal")
 
 
+@pytest.mark.engine
+def test_bench_drain_prints_drain_on_and_off_side_by_side_behind_haproxy():
+    command = [sys.executable, str(BENCH / "drain.py"), "--hidden", "96", "--layers", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    report = _last_json_line(result.stdout)
+    assert report["benchmark"] == "drain" and set(report) >= {"on", "off"}
+    for side in ("on", "off"):
+        _measured(report[side], "requests")
+        _measured(report[side]["no_reload"], "requests", "p50_ms", "p99_ms", "max_ms")
+        _measured(report[side]["updates"], "requests", "p50_ms", "p99_ms", "max_ms")
+    assert report["on"]["failed"] == report["on"]["failing_checkpoint_answers"] == 0  # as the e2e test
+    assert "answered_while_paused" in result.stderr, "the side-by-side table"
+
+
 def test_bench_gpu_datapath_script_runs_on_cpu_until_a_gpu_is_lent():
     command = [
         sys.executable,

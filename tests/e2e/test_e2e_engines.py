@@ -15,7 +15,14 @@ import httpx
 import pytest
 
 from tests.support.checkpoints import write_manifest
-from tests.support.engine_fixtures import API_KEY, DaemonProcess, Engine, daemon_config, start_engine
+from tests.support.engine_fixtures import (
+    API_KEY,
+    DaemonProcess,
+    Engine,
+    daemon_config,
+    exploding,
+    start_engine,
+)
 from vllm_reloader.tools.demo import stop_process
 from vllm_reloader.tools.publish import publish
 
@@ -74,22 +81,6 @@ class Traffic:
             self.stop.set()
             for thread in self.threads:
                 thread.join(timeout=150)
-
-
-def exploding(source: Path, staged: Path) -> Path:
-    """Finite weights, right shapes, times 1e30: every gate check passes, the forward pass overflows."""
-    from safetensors.torch import load_file, save_file
-
-    staged.mkdir(parents=True)
-    for path in source.iterdir():
-        if path.suffix == ".safetensors":
-            tensors = load_file(str(path))
-            save_file(
-                {k: (v.float() * 1e30).to(v.dtype) for k, v in tensors.items()}, str(staged / path.name)
-            )
-        elif path.name != "manifest.json":
-            (staged / path.name).write_bytes(path.read_bytes())
-    return staged
 
 
 def test_e2e_two_engines_roll_canary_first_stop_a_bad_version_and_bring_a_restarted_engine_back(

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_e2e_engines import exploding
 from tests.support.e2e_world import World, _steps
-from tests.support.engine_fixtures import DaemonProcess
+from tests.support.engine_fixtures import DaemonProcess, exploding
 from tests.support.fake_engine import FakeEngine, FakeEngineServer
 from tests.support.store_fixtures import WRITABLE, Bucket
 

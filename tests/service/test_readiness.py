@@ -240,6 +240,7 @@ def test_daemon_takes_an_engine_out_of_rotation_before_its_pause_and_back_after_
         done = running.wait_for("reload.succeeded", version="step-2", engine="http://engine.test")
     assert seen == [((503, "drain: out of rotation for a reload"), (200, "ready"), True)]
     assert done["in_flight_at_pause"] == 0 and done["drain_ms"] >= 200
+    assert canary_engine.pause_modes == ["wait"], "what came in just before it left finishes first"
     assert ready(running, 0) == (200, "ready"), "back once its canary passed"
 
 

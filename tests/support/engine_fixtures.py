@@ -222,3 +222,19 @@ def session_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[E
         yield engine, root, staging
     finally:
         engine.stop()
+
+
+def exploding(source: Path, staged: Path) -> Path:
+    """Finite weights, right shapes, times 1e30: every gate check passes, the forward pass overflows."""
+    from safetensors.torch import load_file, save_file
+
+    staged.mkdir(parents=True)
+    for path in source.iterdir():
+        if path.suffix == ".safetensors":
+            tensors = load_file(str(path))
+            save_file(
+                {k: (v.float() * 1e30).to(v.dtype) for k, v in tensors.items()}, str(staged / path.name)
+            )
+        elif path.name != "manifest.json":
+            (staged / path.name).write_bytes(path.read_bytes())
+    return staged

@@ -25,6 +25,7 @@ class FakeEngine:
         self.loaded = startup
         self.paused = False
         self.sleep_mode = False
+        self.pause_modes: list[str] = []
         self.extension = False
         """Started with the worker extension: `/server_info` names it, its method answers."""
         self.methods: list[str] = []
@@ -97,6 +98,7 @@ class FakeEngine:
             return httpx.Response(200, json={"status": "awake"})
         if path == "/pause":
             self.paused = True
+            self.pause_modes.append(request.url.params.get("mode", ""))
             return httpx.Response(200, json={"status": "paused"})
         if path == "/resume":
             self.paused = False

@@ -52,6 +52,7 @@ def hot_swap(
     on_resume_failed: Callable[[EngineError], None],
     strategy: Literal["inplace", "sleep"] = "inplace",
     extension: bool = False,
+    pause_mode: str | None = None,
 ) -> dict[str, Any]:
     """pause → mark reloading → reload_weights → compare the files → reset prefix cache →
     set version → resume.
@@ -67,28 +68,30 @@ def hot_swap(
     path), so the fallback is loaded back (`ReloadFailed.changed`).
 
     `extension`: load through the worker extension; its report is returned under `load`.
+    `pause_mode`: how to pause, when not the engine's configured way.
 
     Returns per-phase durations. Raises `ReloadFailed` (after restoring `fallback` when the
     engine is still answering) or `EngineUnavailable`. Whatever happens after the pause
     request was sent, the engine is woken (sleep) and resume attempted before returning.
     """
     timings: dict[str, Any] = {}
+    mode = pause_mode or client.config.pause_mode
     failpoints.hit("before_pause")
-    if client.config.pause_mode == "abort":  # it drops what is in flight: say how much
+    if mode == "abort":  # it drops what is in flight: say how much
         aborted = client.requests_in_flight()
         if aborted is not None:
             timings["aborted_requests"] = aborted
     asleep = False
     try:
         with _timed(timings, "pause"):
-            client.pause(client.config.pause_mode)
+            client.pause(mode)
         failpoints.hit("after_pause")
         client.set_weight_version(RELOADING_PREFIX + target.version)
         try:
             if strategy == "sleep":
                 with _timed(timings, "sleep"):
                     asleep = True
-                    client.sleep(2, client.config.pause_mode)
+                    client.sleep(2, mode)
                     client.wake_up(("weights",))
             with _timed(timings, "reload"):
                 load = client.reload_weights(target.path, extension=extension, files=target.files)

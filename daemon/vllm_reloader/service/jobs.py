@@ -163,10 +163,13 @@ class ReloadWorker:
             return Outcome(job, 0.0, changed="the daemon is stopping: not reloaded")
         if problem := job.target.changed():  # again: the drain took time
             return Outcome(job, 0.0, changed=problem)
-        outcome = self._swap(job, started)
+        # Drained, it pauses once what is still in flight is done (vLLM's count can lag a request
+        # that came just before the balancer saw it out): none is held into the new weights.
+        keep = job.client.config.pause_mode == "keep" and drained.get("drained") is not False
+        outcome = self._swap(job, started, pause_mode="wait" if keep else None)
         return replace(outcome, timings={**drained, **(outcome.timings or {})})
 
-    def _swap(self, job: Job, started: float) -> Outcome:
+    def _swap(self, job: Job, started: float, pause_mode: str | None = None) -> Outcome:
         resume_errors: list[EngineError] = []
         try:
             timings = hot_swap(
@@ -176,6 +179,7 @@ class ReloadWorker:
                 on_resume_failed=resume_errors.append,
                 strategy=job.strategy,
                 extension=job.extension,
+                pause_mode=pause_mode,
             )
             outcome = Outcome(job, time.perf_counter() - started, timings=timings)
         except EngineError as exc:

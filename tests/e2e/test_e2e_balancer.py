@@ -1,0 +1,67 @@
+"""Zero exposure: a real HAProxy in front of two real CPU vLLM engines, health-checking the
+daemon's readiness endpoint (`[readiness] drain = true`), clients on it all along, through
+three rolling updates and one checkpoint whose canary fails. No request fails, none is
+answered by an engine while it is paused, no engine is paused while HAProxy still sends it
+traffic, and no client ever gets an answer from the failing checkpoint. The same run with
+drain off, side by side, is bench/drain.py."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from tests.support.balancer import answered_while_paused, paused_in_rotation, tail
+from tests.support.rolling_updates import GRACE, roll, two_engines
+from vllm_reloader.tools.publish import publish
+
+pytestmark = pytest.mark.engine
+
+
+def _at(line: dict[str, object]) -> float:
+    return datetime.fromisoformat(str(line["timestamp"])).timestamp()
+
+
+def test_e2e_haproxy_sends_no_client_to_a_paused_or_unverified_engine_through_updates_and_a_failing_canary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    from vllm_reloader.tools.tinymodel import write_checkpoint
+
+    root = tmp_path / "root"
+    seeds = [write_checkpoint(tmp_path / f"seed-{i}", seed=i) for i in range(1, 5)]
+    publish(seeds[0], root, step=1)
+    engines = two_engines(root / "step-1", tmp_path)
+    try:
+        run = roll(tmp_path / "drain", engines, root, seeds[1:], seeds[0], first_step=2, drain=True)
+    finally:
+        for engine in engines:
+            engine.stop()
+    first, second = (e.url for e in engines)
+
+    answers = run.quiet + run.updates
+    assert run.updates and run.quiet, "clients were answered before and through the updates"
+    assert [a for a in answers if a.status != 200] == [], "no request failed"
+    assert len(set(run.good.values())) == 4, f"each good version answers its own way: {run.good}"
+    foreign = [a for a in answers if a.text not in run.good.values()]
+    assert foreign == [], "an answer from no good version: the failing checkpoint's"
+    assert answered_while_paused(answers, run.paused) == [], "no request waited on a paused engine"
+    assert paused_in_rotation(run.paused, run.states) == [], "paused only once HAProxy took it out"
+    assert all(any(flag for _, flag in samples) for samples in run.paused.values()), "each was seen paused"
+    assert {a.server for a in run.updates} == {"0", "1"}
+
+    rolled = run.events("reload.rolled_back", engine=first, version="step-5")
+    assert len(rolled) == 1 and rolled[0]["cause"] == "canary" and rolled[0]["to_version"] == "step-4"
+    assert not run.events("reload.started", engine=second, version="step-5"), "the follower never had it"
+    for url, server in ((first, "0"), (second, "1")):
+        for done in run.events("reload.succeeded", engine=url):
+            assert done["in_flight_at_pause"] == 0 and float(str(done["drain_ms"])) >= GRACE * 1000
+            back = _at(done)  # said before the engine goes back: every answer of it comes later
+            new = run.good[str(done["version"])]
+            early = [a for a in run.updates if a.server == server and a.text == new and a.done < back]
+            assert early == [], f"{url} answered {done['version']} before it passed its canary"
+
+    with capsys.disabled():  # the latency tail through the reloads, next to none
+        print(
+            f"\nthrough HAProxy, drain on: no reload {tail(run.quiet)}; rolling updates {tail(run.updates)}"
+        )

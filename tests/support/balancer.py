@@ -1,0 +1,224 @@
+"""A real HAProxy in front of real engines, health-checking the daemon's readiness endpoint,
+and clients that record which engine answered what and when, next to samplers of what each
+engine (`/is_paused`) and the balancer (its stats socket) said at each moment. Used by the
+zero-exposure test (tests/e2e/test_e2e_balancer.py) and its benchmark (bench/drain.py)."""
+
+from __future__ import annotations
+
+import bisect
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.engine_fixtures import API_KEY, Engine
+from tests.support.ports import unused_port
+from vllm_reloader.tools.demo import stop_process
+
+CHECK_INTERVAL = 0.1
+"""Seconds between HAProxy's health checks of each engine (`inter`): a drain's `grace` must
+be at least this (plus the check's own time)."""
+PROMPT = "w1 w2 w3"
+MAX_TOKENS = 4
+Samples = dict[str, list[tuple[float, bool]]]
+"""Engine (its place in `engine.urls`) → (time, whether it said it was paused), in time order."""
+States = list[tuple[float, dict[str, str]]]
+"""(time, HAProxy's state of each server: `UP`, `DOWN`, ...), in time order."""
+
+
+def haproxy_config(listen: int, engines: Sequence[str], readiness_port: int, stats: Path) -> str:
+    """What docs/operations.md tells operators to write: one server per engine, named by its
+    place in `engine.urls`, health-checked at `/ready/<that place>` on the daemon's port."""
+    servers = "".join(
+        f"  server {i} {url.removeprefix('http://')} check addr 127.0.0.1 port {readiness_port}\n"
+        for i, url in enumerate(engines)
+    )
+    return (
+        f"global\n  stats socket {stats} mode 600 level user\n"
+        "defaults\n  mode http\n  timeout connect 5s\n  timeout check 5s\n"
+        "  timeout client 10m\n  timeout server 10m\n"
+        f"frontend api\n  bind 127.0.0.1:{listen}\n  default_backend engines\n"
+        "backend engines\n  balance roundrobin\n  option httpchk\n"
+        "  http-check send meth GET uri-lf /ready/%[srv_name]\n  http-check expect status 200\n"
+        f"  default-server inter {int(CHECK_INTERVAL * 1000)}ms fall 1 rise 1\n"
+        "  http-response set-header X-Served-By %[srv_name]\n" + servers
+    )
+
+
+@dataclass
+class Balancer:
+    url: str
+    process: subprocess.Popen[bytes]
+    stats: Path
+    log: Path
+
+    def servers(self) -> dict[str, str]:
+        """Each server's state as HAProxy has it now (`UP`, `DOWN`, ...), by name."""
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(5)
+            sock.connect(str(self.stats))
+            sock.sendall(b"show stat\n")
+            raw = b""
+            while chunk := sock.recv(65536):
+                raw += chunk
+        found = {}
+        for line in raw.decode().splitlines():
+            fields = line.split(",")
+            if len(fields) > 17 and fields[0] == "engines" and fields[1] not in ("FRONTEND", "BACKEND"):
+                found[fields[1]] = fields[17]
+        return found
+
+    def wait_all_up(self, count: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while (states := self.servers()) != {str(i): "UP" for i in range(count)}:
+            assert self.process.poll() is None, self.log.read_text()
+            assert time.monotonic() < deadline, f"not every engine is up in HAProxy: {states}"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        stop_process(self.process)
+
+
+def start_haproxy(engines: Sequence[str], readiness_port: int, directory: Path) -> Balancer:
+    """HAProxy (Debian's `haproxy`; scripts/test installs it) in the foreground, as a child."""
+    found = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin:/sbin")
+    if found is None:
+        pytest.fail("haproxy is missing: scripts/test installs it (apt-get install haproxy)")
+    directory.mkdir(parents=True, exist_ok=True)
+    port, stats, config, log = (
+        unused_port(),
+        directory / "stats.sock",
+        directory / "haproxy.cfg",
+        directory / "haproxy.log",
+    )
+    config.write_text(haproxy_config(port, engines, readiness_port, stats))
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [found, "-db", "-f", str(config)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    balancer = Balancer(f"http://127.0.0.1:{port}", process, stats, log)
+    deadline = time.monotonic() + 30
+    while not stats.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            balancer.stop()
+            pytest.fail(f"HAProxy did not start:\n{log.read_text()}")
+        time.sleep(0.05)
+    return balancer
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One client request through the balancer."""
+
+    sent: float
+    done: float
+    server: str | None
+    """Which engine answered (its place in `engine.urls`, HAProxy's `X-Served-By`)."""
+    status: int | None
+    text: str | None
+    error: str | None = None
+
+    @property
+    def seconds(self) -> float:
+        return self.done - self.sent
+
+
+class Clients:
+    """`count` clients sending greedy completions through the balancer back to back; one
+    sampler asking each engine `/is_paused` and HAProxy for its servers' states, in a loop."""
+
+    def __init__(self, balancer: Balancer, engines: Sequence[Engine], count: int = 3) -> None:
+        self.balancer, self.engines = balancer, list(engines)
+        self.stop = threading.Event()
+        self.answers: list[Answer] = []
+        self.paused: Samples = {str(i): [] for i in range(len(engines))}
+        self.states: States = []
+        self.threads = [threading.Thread(target=self._client, daemon=True) for _ in range(count)]
+        self.threads.append(threading.Thread(target=self._sample, daemon=True))
+
+    def _client(self) -> None:
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+        with httpx.Client(
+            base_url=self.balancer.url, timeout=300, headers={"Authorization": f"Bearer {API_KEY}"}
+        ) as http:
+            while not self.stop.is_set():
+                sent = time.time()
+                try:
+                    response = http.post("/v1/completions", json=body)
+                except httpx.HTTPError as exc:
+                    self.answers.append(Answer(sent, time.time(), None, None, None, repr(exc)))
+                    continue
+                text = response.json()["choices"][0]["text"] if response.status_code == 200 else None
+                error = None if response.status_code == 200 else response.text[:200]
+                server = response.headers.get("X-Served-By")
+                self.answers.append(Answer(sent, time.time(), server, response.status_code, text, error))
+
+    def _sample(self) -> None:
+        while not self.stop.wait(0.01):
+            for i, engine in enumerate(self.engines):
+                said = engine.http.get("/is_paused").json()["is_paused"]
+                self.paused[str(i)].append((time.time(), bool(said)))
+            at = time.time()
+            self.states.append((at, self.balancer.servers()))
+
+    @contextmanager
+    def running(self) -> Iterator[Clients]:
+        for thread in self.threads:
+            thread.start()
+        try:
+            yield self
+        finally:
+            self.stop.set()
+            for thread in self.threads:
+                thread.join(timeout=300)
+
+    def since(self, start: float) -> list[Answer]:
+        return [a for a in list(self.answers) if a.sent >= start]
+
+
+def answered_while_paused(answers: Sequence[Answer], paused: Samples) -> list[Answer]:
+    """Answers from an engine seen paused while the request was at it (sent → answered)."""
+    moments = {server: [t for t, flag in samples if flag] for server, samples in paused.items()}
+    found = []
+    for a in answers:
+        seen = moments.get(a.server or "", [])
+        i = bisect.bisect_left(seen, a.sent)
+        if i < len(seen) and seen[i] <= a.done:
+            found.append(a)
+    return found
+
+
+def paused_in_rotation(
+    paused: Samples, states: Sequence[tuple[float, dict[str, str]]]
+) -> list[tuple[str, float]]:
+    """Moments an engine was seen paused while HAProxy, as last asked before, still sent it traffic."""
+    times = [at for at, _ in states]
+    found = []
+    for server, samples in paused.items():
+        for t, flag in samples:
+            i = bisect.bisect_right(times, t) - 1
+            if flag and i >= 0 and states[i][1].get(server) == "UP":
+                found.append((server, t))
+    return found
+
+
+def tail(answers: Sequence[Answer]) -> dict[str, float | int]:
+    """Latency of answered requests: p50, p99, max (ms), and how many."""
+    seconds = sorted(a.seconds for a in answers if a.status == 200)
+    if not seconds:
+        return {"requests": 0}
+    at = lambda q: seconds[min(len(seconds) - 1, round(q * (len(seconds) - 1)))]  # noqa: E731
+    return {
+        "requests": len(seconds),
+        "p50_ms": round(at(0.5) * 1000, 1),
+        "p99_ms": round(at(0.99) * 1000, 1),
+        "max_ms": round(seconds[-1] * 1000, 1),
+    }
