@@ -109,7 +109,7 @@ class Drain:
         """Once another engine takes traffic as the balancer sees it (else, after `timeout`, the
         reload goes on in place: `drained` false), take it out, wait `grace` and, where a
         balancer checks the engines, until one has read it out, then until nothing is in
-        flight (all within `grace + timeout`); None when
+        flight at two reads 0.5 s apart (all within `grace + timeout`); None when
         the daemon began stopping meanwhile (then nothing is paused: the caller puts it back).
         It comes back when the loop has seen the reload end on verified weights
         (`Engine.rotate`), not here."""
@@ -128,11 +128,13 @@ class Drain:
         while watched and self.rotation.unseen_since(url, started) and time.monotonic() < deadline:
             if self.stop.wait(0.02):  # a check slower than the grace (a loaded host): wait for it
                 return None
-        left = in_flight()
-        while left and time.monotonic() < deadline:
+        quiet = 0  # reads in a row with nothing in flight: one request may be in vLLM's HTTP
+        while (left := in_flight()) is not None:  # layer still, not counted yet; the next shows it
+            quiet = quiet + 1 if left == 0 else 0
+            if quiet == 2 or time.monotonic() >= deadline:
+                break
             if self.stop.wait(0.5):
                 return None
-            left = in_flight()
         return {"drain_ms": _ms_since(begun), "in_flight_at_pause": left}
 
 
