@@ -208,24 +208,33 @@ class Daemon:
         self._tell_systemd()
 
     def snapshot(self) -> status.Snapshot:
-        """What operators see: the reloader's view, and the object store's."""
+        """What operators see: the reloader's view, and the object store's (what waits there is
+        newer than what any engine serves: the store lists only such)."""
         found = self.reloader.snapshot()
         if self.remote is None:
             return found
+        remote = self.remote.pending
         return dataclasses.replace(
             found,
-            pending={**found.pending, **self.remote.pending},
+            pending={**found.pending, **remote},
+            engines=tuple(
+                dataclasses.replace(e, newer=tuple(sorted({*e.newer, *remote}))) for e in found.engines
+            ),
             source_url=self.remote.config.source.path,
             source_failing=dict(self.remote.problems),
         )
 
     def _tell_systemd(self) -> None:
+        """Every tick: systemd's status and watchdog, and the metrics of what waits (one
+        snapshot for both)."""
+        snapshot = self.snapshot()
+        self.reloader.metrics.observe(snapshot, time.time())
+        now = status.line(snapshot)
         if not self.ready_sent and self.reloader.served.reconciled and self.reloader.canary.idle:
             self.ready_sent = True
-            self.notifier.ready(status.line(self.snapshot()))
+            self.notifier.ready(now)
         elif not self.ready_sent:
             self.notifier.extend_timeout(self.config.engine.retry_max + 30)
-        now = status.line(self.snapshot())
         if now != self.last_status:
             self.last_status = now
             self.notifier.status(now)

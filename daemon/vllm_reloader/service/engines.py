@@ -14,6 +14,7 @@ from ..config import EngineConfig, ReadinessConfig
 from ..engine.client import EngineClient
 from ..errors import EngineError, EngineNotSetUp
 from . import rollout, status
+from .catalog import Catalog
 from .engine import Engine
 from .jobs import Answered, Ask, Job, Report
 from .metrics import Metrics
@@ -158,12 +159,13 @@ class Engines:
         self.all = regrouped
         self.rotation.track(config.urls)
 
-    def views(self, want: Loaded | None, pinned: str | None, now: float) -> tuple[status.EngineView, ...]:
-        return tuple(self._view(e, want, pinned, now) for e in self.all)
+    def views(self, want: Loaded | None, catalog: Catalog, now: float) -> tuple[status.EngineView, ...]:
+        return tuple(self._view(e, want, catalog, now) for e in self.all)
 
     @staticmethod
-    def _view(e: Engine, want: Loaded | None, pinned: str | None, now: float) -> status.EngineView:
-        """What fails there now: why the engine did not answer, else why its last reload failed."""
+    def _view(e: Engine, want: Loaded | None, catalog: Catalog, now: float) -> status.EngineView:
+        """What fails there now: why the engine did not answer, else why its last reload failed;
+        and what it has yet to serve."""
         down = e.served.down_reason if not e.served.up else None
         retry_at = e.served.retry_at if down else e.retry_at_follow if e.last_error else None
         return status.EngineView(
@@ -175,12 +177,13 @@ class Engines:
                 busy=e.in_flight is not None,
                 serving=e.served.serving,
                 want=want,
-                pinned=pinned,
+                pinned=catalog.pinned,
             ),
             reachable=e.served.up,
             last_reload=e.served.last_reload,
             last_error=down or e.last_error,
             retry_in_s=None if retry_at is None else round(max(0.0, retry_at - now), 1),
+            newer=tuple(sorted(catalog.newer_than(e.served.serving_key()))),
         )
 
     def same_layout(self, engine: Engine) -> None:

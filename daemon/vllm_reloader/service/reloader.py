@@ -147,7 +147,7 @@ class Reloader:
         self._converge(now)
 
     def snapshot(self) -> Snapshot:
-        views = self.engines.views(rollout.wanted(self.served), self.catalog.pinned, time.monotonic())
+        views = self.engines.views(rollout.wanted(self.served), self.catalog, time.monotonic())
         return status.snapshot_of(self.served, self.catalog, self.in_flight, self.gating, views)
 
     # -- inputs from the loop -------------------------------------------------------------

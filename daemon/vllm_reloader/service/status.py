@@ -34,6 +34,9 @@ class EngineView:
     retry_in_s: float | None = None
     fingerprint: str | None = None
     """Which content of `version` it holds (two may share a version name)."""
+    newer: tuple[str, ...] = ()
+    """Candidates newer than what it serves, not rejected (pending ones included): what it has
+    yet to serve (the metrics time how long it has been behind)."""
 
     def answer(self) -> dict[str, Any]:
         return {

@@ -44,6 +44,9 @@ MAX_RECORD_BYTES = 64 << 10
 """A record is a few hundred bytes; a larger object there is not one of ours (not read)."""
 INSTANCE_NAME = "instance-id"
 """In the state dir: this daemon's random id, written in its records."""
+WAITING_FOR_CANARIES = "waiting for canary hosts"
+"""How a follower's pending reason starts while canary hosts have not cleared the version
+(the metrics tell this wait from one on the checkpoint's files by it)."""
 _INSTANCE = re.compile(r"[0-9a-f]{32}")
 _FINGERPRINT = re.compile(r"[0-9a-f]{16,128}")
 
@@ -123,7 +126,7 @@ class Tally:
             host, reason = self.failed[0]
             return "failed", f"canary host {host} failed it: {reason}"
         if len(self.passed) < min_canaries:
-            return "waiting", f"waiting for canary hosts: {len(self.passed)} of {min_canaries} passed"
+            return "waiting", f"{WAITING_FOR_CANARIES}: {len(self.passed)} of {min_canaries} passed"
         return "cleared", f"passed on {', '.join(self.passed)}"
 
 
