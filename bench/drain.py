@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args(argv)
 
-    from tests.support.balancer import answered_while_paused, paused_in_rotation, tail
+    from tests.support.balancer import held_through_a_pause, paused_in_rotation, tail
     from tests.support.rolling_updates import Run, roll, two_engines
 
     from vllm_reloader.tools.publish import publish
@@ -35,11 +35,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
     def counts(run: Run) -> dict[str, object]:
         answers = run.quiet + run.updates
-        waited = answered_while_paused(answers, run.paused)
+        waited = held_through_a_pause(answers, run.paused)
         return {
             "requests": len(answers),
             "failed": sum(a.status != 200 for a in answers),
-            "answered_while_paused": len(waited),
+            "held_through_a_pause": len(waited),
             "longest_wait_ms": round(max((a.seconds for a in waited), default=0.0) * 1000, 1),
             "paused_in_rotation_samples": len(paused_in_rotation(run.paused, run.states)),
             "failing_checkpoint_answers": sum(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.balancer import answered_while_paused, paused_in_rotation, tail
+from tests.support.balancer import held_through_a_pause, paused_in_rotation, tail
 from tests.support.rolling_updates import GRACE, roll, two_engines
 from vllm_reloader.tools.publish import publish
 
@@ -45,7 +45,7 @@ def test_e2e_haproxy_sends_no_client_to_a_paused_or_unverified_engine_through_up
     assert len(set(run.good.values())) == 4, f"each good version answers its own way: {run.good}"
     foreign = [a for a in answers if a.text not in run.good.values()]
     assert foreign == [], "an answer from no good version: the failing checkpoint's"
-    assert answered_while_paused(answers, run.paused) == [], "no request waited on a paused engine"
+    assert held_through_a_pause(answers, run.paused) == [], "no request waited on a paused engine"
     assert paused_in_rotation(run.paused, run.states) == [], "paused only once HAProxy took it out"
     assert all(any(flag for _, flag in samples) for samples in run.paused.values()), "each was seen paused"
     assert {a.server for a in run.updates} == {"0", "1"}

@@ -34,7 +34,7 @@ def test_client_sends_the_api_key_on_every_engine_call():
     engine.resume()
     engine.reload_weights("/ckpt")
     engine.requests_in_flight()
-    assert len(seen) == 6
+    assert len(seen) == 7  # requests_in_flight asks /metrics and /load
     assert {r.headers.get("authorization") for r in seen} == {f"Bearer {KEY}"}
 
 

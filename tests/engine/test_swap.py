@@ -124,7 +124,7 @@ def test_engine_swap_in_abort_mode_counts_the_requests_it_drops():
     engine = FakeEngine()
     timings = hot_swap(engine.client(pause_mode="abort"), NEW, fallback=OLD, on_resume_failed=print)
     assert timings["aborted_requests"] == 5  # running 3 + waiting 2, read just before /pause
-    assert engine.calls[:2] == ["/metrics", "/pause"]
+    assert engine.calls[:3] == ["/metrics", "/load", "/pause"]
     assert "aborted_requests" not in swap(FakeEngine())[0], "keep mode drops nothing"
 
 

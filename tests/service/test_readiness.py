@@ -189,6 +189,19 @@ def test_engine_metrics_that_are_not_numbers_are_unknown_in_flight():
         assert engine.client().requests_in_flight() is None, value
 
 
+def test_engine_requests_in_flight_count_those_its_http_handlers_hold_where_it_tracks_them():
+    engine = FakeEngine()
+    engine.requests_running = engine.requests_waiting = 0
+    client = engine.client()
+    assert client.requests_in_flight() == 0 and client.requests_in_flight() == 0
+    assert engine.calls.count("/load") == 1, "not tracked there: asked once, then only /metrics"
+    tracking = FakeEngine()
+    tracking.requests_running, tracking.requests_waiting, tracking.server_load = 0, 1, 3
+    assert tracking.client().requests_in_flight() == 3, "one read, two still tokenized: 3 held"
+    tracking.server_load = 0
+    assert tracking.client().requests_in_flight() == 1, "the scheduler's count when it is more"
+
+
 def readiness_config(**drain: object) -> config.ReadinessConfig:
     return config.ReadinessConfig(listen=f"127.0.0.1:{unused_port()}", **drain)  # type: ignore[arg-type]
 

@@ -6,6 +6,7 @@ zero-exposure test (tests/e2e/test_e2e_balancer.py) and its benchmark (bench/dra
 from __future__ import annotations
 
 import bisect
+import math
 import shutil
 import socket
 import subprocess
@@ -184,16 +185,29 @@ class Clients:
         return [a for a in list(self.answers) if a.sent >= start]
 
 
-def answered_while_paused(answers: Sequence[Answer], paused: Samples) -> list[Answer]:
-    """Answers from an engine seen paused while the request was at it (sent → answered)."""
-    moments = {server: [t for t, flag in samples if flag] for server, samples in paused.items()}
-    found = []
-    for a in answers:
-        seen = moments.get(a.server or "", [])
-        i = bisect.bisect_left(seen, a.sent)
-        if i < len(seen) and seen[i] <= a.done:
-            found.append(a)
-    return found
+def pauses(samples: list[tuple[float, bool]]) -> list[tuple[float, float]]:
+    """(first moment seen paused, first moment seen running again) of each pause."""
+    found, began = [], None
+    for t, paused in samples:
+        if paused and began is None:
+            began = t
+        elif not paused and began is not None:
+            found.append((began, t))
+            began = None
+    return found + ([(began, math.inf)] if began is not None else [])
+
+
+def held_through_a_pause(answers: Sequence[Answer], paused: Samples) -> list[Answer]:
+    """Answers an engine gave only once it ran again after a pause the request was sent
+    before: the client waited through the pause (and got whatever weights came after it).
+    What was in flight when a drained engine paused (vLLM's `wait` mode) finishes before
+    the pause ends, on the old weights: not held."""
+    windows = {server: pauses(samples) for server, samples in paused.items()}
+    return [
+        a
+        for a in answers
+        if any(a.sent < resumed <= a.done for _, resumed in windows.get(a.server or "", []))
+    ]
 
 
 def paused_in_rotation(

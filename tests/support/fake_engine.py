@@ -26,6 +26,8 @@ class FakeEngine:
         self.paused = False
         self.sleep_mode = False
         self.pause_modes: list[str] = []
+        self.server_load: int | None = None
+        """Requests its HTTP handlers hold (`/load`); None: not tracked."""
         self.extension = False
         """Started with the worker extension: `/server_info` names it, its method answers."""
         self.methods: list[str] = []
@@ -125,6 +127,10 @@ class FakeEngine:
                 self.preempted, self.running = self.preempted + self.running, 0
             success = self.running == 0 and not self.cache_reset_refused
             return httpx.Response(200, json={"success": success})
+        if path == "/load":  # vLLM without --enable-server-load-tracking fails it (no count kept)
+            if self.server_load is None:
+                return httpx.Response(500, text="Internal Server Error")
+            return httpx.Response(200, json={"server_load": self.server_load})
         if path == "/metrics":
             return httpx.Response(
                 200,

@@ -25,7 +25,13 @@ def two_engines(model: Path, directory: Path) -> list[Engine]:
     """Two real CPU engines started on `model` side by side, each bound to its own core."""
     with ThreadPoolExecutor(2) as pool:
         starting = [
-            pool.submit(start_engine, model, directory / f"{n}.log", env={"VLLM_CPU_OMP_THREADS_BIND": core})
+            pool.submit(
+                start_engine,
+                model,
+                directory / f"{n}.log",
+                env={"VLLM_CPU_OMP_THREADS_BIND": core},
+                args=("--enable-server-load-tracking",),  # as docs/operations.md asks, with drain
+            )
             for n, core in (("first", "0"), ("second", "1"))
         ]
         return [f.result() for f in starting]

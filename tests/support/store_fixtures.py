@@ -86,7 +86,8 @@ class Bucket:
             _ok(self.client.delete(f"/storage/v1/b/{self.name}/o/{quote(key, safe='')}"))
 
     def upload_dir(self, directory: Path, name: str, *, skip: tuple[str, ...] = ()) -> None:
-        for path in sorted(directory.rglob("*")):
+        """As a publisher should: our manifest last (it says the rest is there)."""
+        for path in sorted(directory.rglob("*"), key=lambda p: (p.name == "manifest.json", p)):
             relative = path.relative_to(directory).as_posix()
             if path.is_file() and relative not in skip:
                 self.put(f"{name}/{relative}", path.read_bytes())

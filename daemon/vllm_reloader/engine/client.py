@@ -61,6 +61,8 @@ class EngineClient:
             # A connection of its own for every call, so `Deadline` can end it (calls are few).
             limits=httpx.Limits(max_keepalive_connections=0),
         )
+        self._load_tracked: bool | None = None
+        """Whether the engine counts its HTTP requests (`--enable-server-load-tracking`): asked once."""
 
     def close(self) -> None:
         self._http.close()
@@ -151,7 +153,27 @@ class EngineClient:
         self._call("POST", "/wake_up", params=[("tags", t) for t in tags], timeout=self.config.reload_timeout)
 
     def requests_in_flight(self) -> int | None:
-        """Running + waiting requests, from the engine's Prometheus `/metrics`; None if unknown."""
+        """Requests the engine holds: running + waiting in its scheduler (`/metrics`), or, with
+        `--enable-server-load-tracking`, those its HTTP handlers hold (`/load`) when more (one
+        still being read or tokenized is not in the scheduler yet); None if unknown."""
+        scheduled, handled = self._scheduled(), self._handled()
+        known = [n for n in (scheduled, handled) if n is not None]
+        return max(known) if known else None
+
+    def _handled(self) -> int | None:
+        if self._load_tracked is False:
+            return None
+        try:
+            body = self._call("GET", "/load")
+        except EngineCallFailed:  # it answered without a count: not tracked (asked once)
+            body = None
+        except EngineUnavailable:
+            return None
+        load = body.get("server_load") if isinstance(body, dict) else None
+        self._load_tracked = isinstance(load, int) and not isinstance(load, bool) and load >= 0
+        return load if self._load_tracked else None
+
+    def _scheduled(self) -> int | None:
         try:
             response = self._exchange("GET", "/metrics", self.config.timeout)
         except (EngineUnavailable, EngineCallFailed):
