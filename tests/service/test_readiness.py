@@ -131,7 +131,7 @@ def test_drain_takes_nothing_out_until_the_engine_put_back_before_it_is_seen_bac
     rotation.take_out("http://b", "drain", "out of rotation for a reload")
     assert rotation.asked("http://b") is not None, "the balancer saw b out"
     rotation.put_back("http://b", "drain")  # b's reload ended: back, but not seen back yet
-    assert rotation.others_ready("http://a") and not rotation.others_ready("http://a", seen=True)
+    assert rotation.others_ready("http://a") and not rotation.others_ready("http://a", seen_within=5.0)
     seen_a: list[str | None] = []
     checker = later(0.3, lambda: (seen_a.append(rotation.why_out("http://a")), rotation.asked("http://b")))
     drained = Drain(rotation, grace=0.0, timeout=30.0, stop=stop).out("http://a", lambda: 0)
@@ -384,3 +384,51 @@ def test_daemon_keeps_an_engine_found_paused_out_until_resumed(start, root, make
     running.wait_for("engine.reconciled")
     status, why = ready(running, 0)
     assert status == 503 and "paused" in why
+
+
+def test_daemon_pauses_an_engine_its_drain_could_not_empty_as_configured_not_waiting_on_it(
+    start, root, make_checkpoint: MakeCheckpoint
+):
+    running, engine, _ = two_engines(start, root, make_checkpoint, drain_timeout=0.3)
+    engine.requests_running = 2  # a long generation outlives the drain
+    make_checkpoint("step-2", step=2, root=root, seed=1)
+    done = running.wait_for("reload.succeeded", version="step-2", engine="http://engine.test")
+    assert done["in_flight_at_pause"] == 2
+    assert engine.pause_modes == ["keep"], "vLLM's wait would block on it for pause_timeout"
+
+
+def test_drain_waits_until_every_balancer_checking_the_engines_has_read_it_out():
+    rotation, stop = two_in_rotation(), threading.Event()
+    for reader in ("10.0.0.1", "10.0.0.2"):  # a pair of balancers
+        rotation.asked("http://a", reader)
+    first = later(0.2, lambda: rotation.asked("http://a", "10.0.0.1"))
+    second = later(0.6, lambda: rotation.asked("http://a", "10.0.0.2"))
+    drained = Drain(rotation, grace=0.05, timeout=30.0, stop=stop).out("http://a", lambda: 0)
+    first.join(), second.join()
+    assert drained is not None and drained["drain_ms"] >= 600, "the second balancer read it out last"
+
+
+def test_drain_ignores_a_balancer_gone_silent():
+    rotation, stop = two_in_rotation(), threading.Event()
+    rotation.asked("http://a", "10.0.0.9")
+    rotation._readers["10.0.0.9"] -= 60  # its last check of anything: a minute ago
+    drained = Drain(rotation, grace=0.05, timeout=30.0, stop=stop).out("http://a", lambda: 0)
+    assert drained is not None and drained["drain_ms"] < 10_000
+
+
+def test_rotation_takes_out_at_most_one_of_two_engines_whatever_the_order():
+    rotation = two_in_rotation()
+    assert rotation.take_out_if_others_ready("http://a", "drain", "out", None)
+    assert not rotation.take_out_if_others_ready("http://b", "drain", "out", None), "b is the last one in"
+    assert rotation.why_out("http://b") is None
+
+
+def test_rotation_forgets_what_kept_an_engine_a_sighup_dropped_out():
+    rotation = two_in_rotation()
+    rotation.take_out("http://b", "drain", "out of rotation for a reload")
+    rotation.track(["http://a"])
+    rotation.take_out("http://b", "drain", "its reload thread, still at it")  # dropped: not put back in
+    rotation.track(["http://a", "http://b"])
+    assert rotation.why_out("http://b") == f"down: {NOT_YET}", (
+        "new again: out until reconciled, no stale drain"
+    )

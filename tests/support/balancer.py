@@ -6,6 +6,7 @@ zero-exposure test (tests/e2e/test_e2e_balancer.py) and its benchmark (bench/dra
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import shutil
 import socket
@@ -142,6 +143,8 @@ class Clients:
         self.answers: list[Answer] = []
         self.paused: Samples = {str(i): [] for i in range(len(engines))}
         self.states: States = []
+        self.errors: list[str] = []
+        """What the sampler could not ask (it goes on)."""
         self.threads = [threading.Thread(target=self._client, daemon=True) for _ in range(count)]
         self.threads.append(threading.Thread(target=self._sample, daemon=True))
 
@@ -163,12 +166,25 @@ class Clients:
                 self.answers.append(Answer(sent, time.time(), server, response.status_code, text, error))
 
     def _sample(self) -> None:
+        """Never ends on an error (a busy engine slow to answer): the gaps it leaves are
+        measured instead (`longest_gap`)."""
         while not self.stop.wait(0.01):
-            for i, engine in enumerate(self.engines):
-                said = engine.http.get("/is_paused").json()["is_paused"]
-                self.paused[str(i)].append((time.time(), bool(said)))
-            at = time.time()
-            self.states.append((at, self.balancer.servers()))
+            try:
+                for i, engine in enumerate(self.engines):
+                    said = engine.http.get("/is_paused", timeout=5).json()["is_paused"]
+                    self.paused[str(i)].append((time.time(), bool(said)))
+                at = time.time()
+                self.states.append((at, self.balancer.servers()))
+            except (OSError, httpx.HTTPError, ValueError) as exc:
+                self.errors.append(repr(exc))
+
+    def longest_gap(self, start: float) -> float:
+        """The longest time after `start` that some engine's pause flag went unsampled."""
+        gaps = [0.0]
+        for samples in self.paused.values():
+            times = [start] + [t for t, _ in samples if t >= start]
+            gaps += [b - a for a, b in itertools.pairwise(times)]
+        return max(gaps)
 
     @contextmanager
     def running(self) -> Iterator[Clients]:

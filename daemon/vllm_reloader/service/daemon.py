@@ -26,7 +26,7 @@ from ..engine.client import EngineClient
 from ..errors import ConfigError
 from ..sources import local
 from ..sources.remote import RemoteSource
-from ..sources.verdicts import Verdict
+from ..sources.verdicts import WAITING_FOR_CANARIES, Verdict
 from . import fleet, paths, status
 from .control import ControlServer, Request
 from .messages import (
@@ -87,6 +87,7 @@ class Daemon:
         self.ready_sent = False
         self.stopping_since: float | None = None
         self.last_status = ""
+        self.next_observe = 0.0
         self.exit_code = 0
 
     def _make_watcher(self, config: Config) -> local.Watcher:
@@ -207,28 +208,37 @@ class Daemon:
             return
         self._tell_systemd()
 
-    def snapshot(self) -> status.Snapshot:
+    def snapshot(self, newer: bool = False) -> status.Snapshot:
         """What operators see: the reloader's view, and the object store's (what waits there is
-        newer than what any engine serves: the store lists only such)."""
-        found = self.reloader.snapshot()
+        newer than what any engine serves: the store lists only such; one waiting on canary
+        hosts is said by its own alert). `newer`: what each engine has yet to serve."""
+        found = self.reloader.snapshot(newer)
         if self.remote is None:
             return found
         remote = self.remote.pending
+        waiting = {n for n, why in remote.items() if not why.startswith(WAITING_FOR_CANARIES)}
+        held = not newer or found.pinned is not None
         return dataclasses.replace(
             found,
             pending={**found.pending, **remote},
             engines=tuple(
-                dataclasses.replace(e, newer=tuple(sorted({*e.newer, *remote}))) for e in found.engines
+                e
+                if held or not e.reachable
+                else dataclasses.replace(e, newer=tuple(sorted({*e.newer, *waiting})))
+                for e in found.engines
             ),
             source_url=self.remote.config.source.path,
             source_failing=dict(self.remote.problems),
         )
 
     def _tell_systemd(self) -> None:
-        """Every tick: systemd's status and watchdog, and the metrics of what waits (one
-        snapshot for both)."""
-        snapshot = self.snapshot()
-        self.reloader.metrics.observe(snapshot, time.time())
+        """Every tick: systemd's status and watchdog; once a second, with `[metrics] listen`,
+        the metrics of what waits (one snapshot for both)."""
+        observe = self.config.metrics.listen is not None and time.monotonic() >= self.next_observe
+        snapshot = self.snapshot(newer=observe)
+        if observe:
+            self.next_observe = time.monotonic() + 1.0
+            self.reloader.metrics.observe(snapshot, time.time())
         now = status.line(snapshot)
         if not self.ready_sent and self.reloader.served.reconciled and self.reloader.canary.idle:
             self.ready_sent = True

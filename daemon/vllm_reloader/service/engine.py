@@ -177,16 +177,15 @@ class Engine:
     def rotate(self, outcome: Outcome, decision: outcomes.Decision) -> None:
         """After a reload: back in rotation only on weights that passed (or the good ones
         loaded back cleanly) and resumed; a reload that never paused changes nothing."""
-        self.rotation.put_back(self.url, "drain")  # what keeps it out now is said by cause below
-        if decision.result == "changed":
-            return
-        if decision.resume_owed:
-            self.rotation.take_out(self.url, "paused", "its resume failed: retrying")
-        canary_ok = outcome.canary_failed is None or (outcome.rolled_back and outcome.flush_probes > 0)
-        if decision.engine_down is None and decision.set_serving and decision.serving and canary_ok:
-            self.rotation.put_back(self.url, "weights")
-        else:
-            self.rotation.take_out(self.url, "weights", "its last reload did not end on verified weights")
+        if decision.result != "changed":
+            if decision.resume_owed:
+                self.rotation.take_out(self.url, "paused", "its resume failed: retrying")
+            canary_ok = outcome.canary_failed is None or (outcome.rolled_back and outcome.flush_probes > 0)
+            if decision.engine_down is None and decision.set_serving and decision.serving and canary_ok:
+                self.rotation.put_back(self.url, "weights")
+            else:
+                self.rotation.take_out(self.url, "weights", "its last reload did not end on verified weights")
+        self.rotation.put_back(self.url, "drain")  # last: no check reads it ready in between
 
     def as_follower(self, decision: outcomes.Decision, config: EngineConfig) -> outcomes.Decision:
         """A follower loads a version that passed on the canary engine: a failed reload here is

@@ -159,11 +159,15 @@ class Engines:
         self.all = regrouped
         self.rotation.track(config.urls)
 
-    def views(self, want: Loaded | None, catalog: Catalog, now: float) -> tuple[status.EngineView, ...]:
-        return tuple(self._view(e, want, catalog, now) for e in self.all)
+    def views(
+        self, want: Loaded | None, catalog: Catalog, now: float, newer: bool = False
+    ) -> tuple[status.EngineView, ...]:
+        """`newer`: also what each engine has yet to serve (for the metrics: a pass over every
+        candidate per engine, so not for every status line)."""
+        return tuple(self._view(e, want, catalog, now, newer) for e in self.all)
 
     @staticmethod
-    def _view(e: Engine, want: Loaded | None, catalog: Catalog, now: float) -> status.EngineView:
+    def _view(e: Engine, want: Loaded | None, catalog: Catalog, now: float, newer: bool) -> status.EngineView:
         """What fails there now: why the engine did not answer, else why its last reload failed;
         and what it has yet to serve."""
         down = e.served.down_reason if not e.served.up else None
@@ -183,7 +187,10 @@ class Engines:
             last_reload=e.served.last_reload,
             last_error=down or e.last_error,
             retry_in_s=None if retry_at is None else round(max(0.0, retry_at - now), 1),
-            newer=tuple(sorted(catalog.newer_than(e.served.serving_key()))),
+            # Not while pinned (held on purpose) or unreachable (said by its own alert).
+            newer=tuple(sorted(catalog.newer_than(e.served.serving_key())))
+            if newer and e.served.up and catalog.pinned is None
+            else (),
         )
 
     def same_layout(self, engine: Engine) -> None:

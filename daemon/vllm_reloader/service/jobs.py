@@ -165,7 +165,7 @@ class ReloadWorker:
             return Outcome(job, 0.0, changed=problem)
         # Drained, it pauses once what is still in flight is done (vLLM's count can lag a request
         # that came just before the balancer saw it out): none is held into the new weights.
-        keep = job.client.config.pause_mode == "keep" and drained.get("drained") is not False
+        keep = job.client.config.pause_mode == "keep" and drained["in_flight_at_pause"] == 0
         outcome = self._swap(job, started, pause_mode="wait" if keep else None)
         return replace(outcome, timings={**drained, **(outcome.timings or {})})
 

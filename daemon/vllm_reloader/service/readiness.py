@@ -27,6 +27,8 @@ WATCHED_WITHIN = 5.0
 """Seconds: a drain waits for the balancer's checks where one read an engine this recently
 (or within twice the grace, for slow checkers such as Kubernetes' 10 s probes)."""
 MAX_CLIENTS = 32
+MAX_READERS = 64
+"""Health checkers remembered (by address): a scan from many addresses cannot grow it."""
 
 
 class Rotation:
@@ -35,35 +37,60 @@ class Rotation:
         self.urls: tuple[str, ...] = ()
         self._out: dict[str, dict[str, str]] = {}
         """url → why it is out, by cause ("down", "drain"): ready when there is none."""
-        self._asked: dict[str, tuple[float, bool]] = {}
-        """url → when a health check last read it (monotonic), and whether it read "ready":
-        what the balancer last saw, where one reads it."""
+        self._reads: dict[tuple[str, str], tuple[float, bool]] = {}
+        """(reader, url) → when that health checker last read it (monotonic), and whether it
+        read "ready": what each balancer last saw (a pair of HAProxies: two readers)."""
+        self._readers: dict[str, float] = {}
+        """reader → when it last read any engine: one silent for long is gone."""
         self.track(urls)
 
     def track(self, urls: Sequence[str]) -> None:
         """The engines now (a SIGHUP may change them): new ones are out until reconciled."""
         with self._lock:
-            self._out = {url: self._out.get(url, {"down": NOT_YET}) for url in urls}
+            self._out = {url: self._out[url] if url in self.urls else {"down": NOT_YET} for url in urls}
+            self._reads = {key: read for key, read in self._reads.items() if key[1] in urls}
             self.urls = tuple(urls)
 
     def take_out(self, url: str, cause: str, why: str) -> None:
         with self._lock:
-            self._out.setdefault(url, {})[cause] = why
+            if url in self._out:  # not one a SIGHUP dropped
+                self._out[url][cause] = why
+
+    def take_out_if_others_ready(self, url: str, cause: str, why: str, seen_within: float | None) -> bool:
+        """Take it out only while another engine takes traffic (checked and done at once: two
+        drains never both see the other ready and both go)."""
+        with self._lock:
+            if not self._others_ready(url, seen_within):
+                return False
+            if url in self._out:
+                self._out[url][cause] = why
+            return True
 
     def put_back(self, url: str, cause: str) -> None:
         with self._lock:
             self._out.get(url, {}).pop(cause, None)
 
-    def others_ready(self, url: str, *, seen: bool = False) -> bool:
+    def others_ready(self, url: str, *, seen_within: float | None = None) -> bool:
         """Whether another engine takes traffic now (else taking this one out leaves none);
-        `seen`: and the balancer's last check of it read it ready (one just put back takes no
-        traffic until a check has seen it back)."""
+        `seen_within`: and every health checker that read it in the last so many seconds
+        last read it ready (one just put back takes no traffic until they have seen it back)."""
         with self._lock:
-            return any(
-                self._why(other) is None and (not seen or self._asked.get(other, (0.0, True))[1])
-                for other in self.urls
-                if other != url
-            )
+            return self._others_ready(url, seen_within)
+
+    def _others_ready(self, url: str, seen_within: float | None) -> bool:
+        def seen_ready(other: str) -> bool:
+            return seen_within is None or all(ready for _, ready in self._recent(other, seen_within))
+
+        return any(self._why(o) is None and seen_ready(o) for o in self.urls if o != url)
+
+    def _recent(self, url: str, within: float) -> list[tuple[float, bool]]:
+        """The last read of `url` by each checker that read any engine in the last `within` s."""
+        now = time.monotonic()
+        return [
+            read
+            for (reader, read_url), read in self._reads.items()
+            if read_url == url and self._readers.get(reader, 0.0) >= now - within
+        ]
 
     def why_out(self, url: str) -> str | None:
         """None when the engine should take traffic."""
@@ -74,24 +101,26 @@ class Rotation:
         found = self._out.get(url, {})
         return "; ".join(f"{cause}: {why}" for cause, why in sorted(found.items())) or None
 
-    def asked(self, url: str) -> str | None:
-        """A health check reads it: `why_out`, and when it was read."""
+    def asked(self, url: str, reader: str = "") -> str | None:
+        """A health checker (`reader`: its address) reads it: `why_out`, and what it read when."""
         with self._lock:
-            why = self._why(url)
-            self._asked[url] = (time.monotonic(), why is None)
+            why, now = self._why(url), time.monotonic()
+            if url in self._out and (reader in self._readers or len(self._readers) < MAX_READERS):
+                self._reads[reader, url] = (now, why is None)
+                self._readers[reader] = now
             return why
 
-    def unseen_since(self, url: str, since: float) -> bool:
-        """Whether health checks read this engine before `since` and none has since: the
-        balancer has not seen what changed then. False when none ever did (nothing to wait for)."""
+    def unseen_since(self, url: str, since: float, within: float) -> bool:
+        """Whether a health checker that reads these engines (one read in the last `within` s)
+        has not read this one out since `since`: that balancer may still send it traffic."""
         with self._lock:
-            return url in self._asked and self._asked[url][0] < since
+            return any(at < since or ready for at, ready in self._recent(url, within))
 
     def watched(self, within: float) -> bool:
         """Whether a balancer checks these engines: one was read in the last `within` seconds
         (an operator's one `curl` long ago is no balancer to wait for)."""
         with self._lock:
-            return any(at >= time.monotonic() - within for at, _ in self._asked.values())
+            return any(at >= time.monotonic() - within for at in self._readers.values())
 
 
 @dataclass(frozen=True)
@@ -106,28 +135,31 @@ class Drain:
     stop: threading.Event
 
     def out(self, url: str, in_flight: Callable[[], int | None]) -> dict[str, float | int | None] | None:
-        """Once another engine takes traffic as the balancer sees it (else, after `timeout`, the
-        reload goes on in place: `drained` false), take it out, wait `grace` and, where a
-        balancer checks the engines, until one has read it out, then until nothing is in
+        """Once another engine takes traffic as the balancers see it (else, after `timeout`, the
+        reload goes on in place: `drained` false), take it out, wait `grace` and, where
+        balancers check the engines, until each has read it out, then until nothing is in
         flight at two reads 0.5 s apart (all within `grace + timeout`); None when
         the daemon began stopping meanwhile (then nothing is paused: the caller puts it back).
         It comes back when the loop has seen the reload end on verified weights
         (`Engine.rotate`), not here."""
         begun = time.monotonic()
-        watched = self.rotation.watched(max(2 * self.grace, WATCHED_WITHIN))
-        while not self.rotation.others_ready(url, seen=watched):  # one back, not seen back yet
-            if time.monotonic() > begun + self.timeout:  # never seen: in place, not none serving
+        deadline = begun + self.grace + self.timeout
+        window = max(2 * self.grace, WATCHED_WITHIN)
+        seen_within = window if self.rotation.watched(window) else None
+        why = "out of rotation for a reload"
+        while not self.rotation.take_out_if_others_ready(url, "drain", why, seen_within):
+            if time.monotonic() > begun + self.timeout:  # none seen back: in place, not none serving
                 return {"drain_ms": _ms_since(begun), "in_flight_at_pause": None, "drained": False}
-            if self.stop.wait(0.02):
+            if self.stop.wait(0.02):  # the one before is back, not seen back by the balancer yet
                 return None
         started = time.monotonic()
-        self.rotation.take_out(url, "drain", "out of rotation for a reload")
         if self.stop.wait(self.grace):
             return None
-        deadline = started + self.grace + self.timeout
-        while watched and self.rotation.unseen_since(url, started) and time.monotonic() < deadline:
-            if self.stop.wait(0.02):  # a check slower than the grace (a loaded host): wait for it
-                return None
+        while seen_within and self.rotation.unseen_since(url, started, seen_within):
+            if time.monotonic() >= deadline or self.stop.wait(0.02):  # a check slower than the grace
+                break
+        if self.stop.is_set():
+            return None
         quiet = 0  # reads in a row with nothing in flight: one request may be in vLLM's HTTP
         while (left := in_flight()) is not None:  # layer still, not counted yet; the next shows it
             quiet = quiet + 1 if left == 0 else 0
@@ -195,7 +227,7 @@ class _Handler(BaseHTTPRequestHandler):
         ):
             self._answer(404, f"no such engine: GET /ready/N, N from 0 to {len(urls) - 1}\n")
             return
-        why = self.rotation.asked(urls[int(head)])
+        why = self.rotation.asked(urls[int(head)], str(self.client_address[0]))
         self._answer(200, "ready\n") if why is None else self._answer(503, f"{why}\n")
 
     def _answer(self, status: int, text: str) -> None:

@@ -146,8 +146,8 @@ class Reloader:
         self._advance()
         self._converge(now)
 
-    def snapshot(self) -> Snapshot:
-        views = self.engines.views(rollout.wanted(self.served), self.catalog, time.monotonic())
+    def snapshot(self, newer: bool = False) -> Snapshot:
+        views = self.engines.views(rollout.wanted(self.served), self.catalog, time.monotonic(), newer)
         return status.snapshot_of(self.served, self.catalog, self.in_flight, self.gating, views)
 
     # -- inputs from the loop -------------------------------------------------------------
