@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.balancer import held_through_a_pause, paused_in_rotation, tail
+from tests.support.balancer import held_through_a_pause, paused_in_rotation, pauses, tail
 from tests.support.rolling_updates import GRACE, roll, two_engines
 from vllm_reloader.tools.publish import publish
 
@@ -47,8 +47,8 @@ def test_e2e_haproxy_sends_no_client_to_a_paused_or_unverified_engine_through_up
     assert foreign == [], "an answer from no good version: the failing checkpoint's"
     assert held_through_a_pause(answers, run.paused) == [], "no request waited on a paused engine"
     assert paused_in_rotation(run.paused, run.states) == [], "paused only once HAProxy took it out"
-    assert all(any(flag for _, flag in samples) for samples in run.paused.values()), "each was seen paused"
-    assert run.longest_gap < 2.0, f"the pause samplers kept up (longest gap {run.longest_gap:.2f} s)"
+    assert all(pauses(samples) for samples in run.paused.values()), "each was seen paused"
+    assert run.longest_gap < 5.0, f"the pause samplers kept up (longest gap {run.longest_gap:.2f} s)"
     assert {a.server for a in run.updates} == {"0", "1"}
 
     rolled = run.events("reload.rolled_back", engine=first, version="step-5")

@@ -5,7 +5,6 @@ zero-exposure test (tests/e2e/test_e2e_balancer.py) and its benchmark (bench/dra
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 import shutil
@@ -13,10 +12,11 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -30,10 +30,22 @@ CHECK_INTERVAL = 0.1
 be at least this (plus the check's own time)."""
 PROMPT = "w1 w2 w3"
 MAX_TOKENS = 4
-Samples = dict[str, list[tuple[float, bool]]]
-"""Engine (its place in `engine.urls`) → (time, whether it said it was paused), in time order."""
-States = list[tuple[float, dict[str, str]]]
-"""(time, HAProxy's state of each server: `UP`, `DOWN`, ...), in time order."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """What a peer said when asked: it held at some moment from `asked` to `answered` (a busy
+    engine answers late, so neither moment alone is when it held)."""
+
+    asked: float
+    answered: float
+    value: Any
+
+
+Samples = dict[str, list[Sample]]
+"""Engine (its place in `engine.urls`) → whether it said it was paused, in time order."""
+States = list[Sample]
+"""HAProxy's state of each server (`UP`, `DOWN`, ...) by name, in time order."""
 
 
 def haproxy_config(listen: int, engines: Sequence[str], readiness_port: int, stats: Path) -> str:
@@ -45,7 +57,7 @@ def haproxy_config(listen: int, engines: Sequence[str], readiness_port: int, sta
     )
     return (
         f"global\n  stats socket {stats} mode 600 level user\n"
-        "defaults\n  mode http\n  timeout connect 5s\n  timeout check 5s\n"
+        "defaults\n  mode http\n  timeout connect 5s\n  timeout check 10s\n"
         "  timeout client 10m\n  timeout server 10m\n"
         f"frontend api\n  bind 127.0.0.1:{listen}\n  default_backend engines\n"
         "backend engines\n  balance roundrobin\n  option httpchk\n"
@@ -146,7 +158,12 @@ class Clients:
         self.errors: list[str] = []
         """What the sampler could not ask (it goes on)."""
         self.threads = [threading.Thread(target=self._client, daemon=True) for _ in range(count)]
-        self.threads.append(threading.Thread(target=self._sample, daemon=True))
+        samplers: list[tuple[Callable[[], object], list[Sample]]] = [
+            (lambda e=e: bool(e.http.get("/is_paused", timeout=5).json()["is_paused"]), self.paused[str(i)])
+            for i, e in enumerate(self.engines)
+        ]
+        samplers.append((balancer.servers, self.states))  # each on its own: one slow peer holds no other
+        self.threads += [threading.Thread(target=self._sample, args=s, daemon=True) for s in samplers]
 
     def _client(self) -> None:
         body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
@@ -165,16 +182,13 @@ class Clients:
                 server = response.headers.get("X-Served-By")
                 self.answers.append(Answer(sent, time.time(), server, response.status_code, text, error))
 
-    def _sample(self) -> None:
+    def _sample(self, ask: Callable[[], object], into: list[Sample]) -> None:
         """Never ends on an error (a busy engine slow to answer): the gaps it leaves are
         measured instead (`longest_gap`)."""
         while not self.stop.wait(0.01):
             try:
-                for i, engine in enumerate(self.engines):
-                    said = engine.http.get("/is_paused", timeout=5).json()["is_paused"]
-                    self.paused[str(i)].append((time.time(), bool(said)))
-                at = time.time()
-                self.states.append((at, self.balancer.servers()))
+                asked = time.time()
+                into.append(Sample(asked, time.time(), ask()))
             except (OSError, httpx.HTTPError, ValueError) as exc:
                 self.errors.append(repr(exc))
 
@@ -182,7 +196,7 @@ class Clients:
         """The longest time after `start` that some engine's pause flag went unsampled."""
         gaps = [0.0]
         for samples in self.paused.values():
-            times = [start] + [t for t, _ in samples if t >= start]
+            times = [start] + [s.answered for s in samples if s.answered >= start]
             gaps += [b - a for a, b in itertools.pairwise(times)]
         return max(gaps)
 
@@ -201,42 +215,50 @@ class Clients:
         return [a for a in list(self.answers) if a.sent >= start]
 
 
-def pauses(samples: list[tuple[float, bool]]) -> list[tuple[float, float]]:
-    """(first moment seen paused, first moment seen running again) of each pause."""
-    found, began = [], None
-    for t, paused in samples:
-        if paused and began is None:
-            began = t
-        elif not paused and began is not None:
-            found.append((began, t))
-            began = None
-    return found + ([(began, math.inf)] if began is not None else [])
+@dataclass(frozen=True)
+class Pause:
+    """An engine seen paused, surely from `since` to `until` (between its first and last
+    paused answers), and surely running again by `resumed`."""
+
+    since: float
+    until: float
+    resumed: float
+
+
+def pauses(samples: list[Sample]) -> list[Pause]:
+    found, run = [], []
+    for sample in samples:
+        if sample.value:
+            run.append(sample)
+        elif run:
+            found.append(Pause(run[0].answered, run[-1].asked, sample.answered))
+            run = []
+    return found + ([Pause(run[0].answered, run[-1].asked, math.inf)] if run else [])
 
 
 def held_through_a_pause(answers: Sequence[Answer], paused: Samples) -> list[Answer]:
-    """Answers an engine gave only once it ran again after a pause the request was sent
-    before: the client waited through the pause (and got whatever weights came after it).
-    What was in flight when a drained engine paused (vLLM's `wait` mode) finishes before
-    the pause ends, on the old weights: not held."""
+    """Answers sent before a moment their engine was surely paused and given only once it
+    surely ran again: the client waited through the pause (and got the weights after it).
+    What was in flight when a drained engine paused (vLLM's `wait` mode) finishes before the
+    reload: not held."""
     windows = {server: pauses(samples) for server, samples in paused.items()}
     return [
         a
         for a in answers
-        if any(a.sent < resumed <= a.done for _, resumed in windows.get(a.server or "", []))
+        if any(a.sent < p.until and a.done > p.resumed for p in windows.get(a.server or "", []))
     ]
 
 
-def paused_in_rotation(
-    paused: Samples, states: Sequence[tuple[float, dict[str, str]]]
-) -> list[tuple[str, float]]:
-    """Moments an engine was seen paused while HAProxy, as last asked before, still sent it traffic."""
-    times = [at for at, _ in states]
+def paused_in_rotation(paused: Samples, states: States) -> list[tuple[str, float]]:
+    """Moments HAProxy said an engine was UP (taking traffic) while it was surely paused."""
     found = []
     for server, samples in paused.items():
-        for t, flag in samples:
-            i = bisect.bisect_right(times, t) - 1
-            if flag and i >= 0 and states[i][1].get(server) == "UP":
-                found.append((server, t))
+        for p in pauses(samples):
+            found += [
+                (server, s.asked)
+                for s in states
+                if p.since <= s.asked and s.answered <= p.until and s.value.get(server) == "UP"
+            ]
     return found
 
 
