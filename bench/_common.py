@@ -7,6 +7,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests package: its fakes
 
@@ -25,10 +26,31 @@ def emit(result: dict[str, object]) -> dict[str, object]:
     return result
 
 
+ELEMENT_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E5M2": 1, "F8_E4M3": 1}
+
+
+def finite_bytes(rng: Any, count: int, dtype: str) -> bytes:
+    """`count` random finite elements of `dtype`, as safetensors stores them."""
+    import numpy as np
+
+    if dtype.startswith("F8"):  # bit 6 clear: the exponent is never all ones
+        return (rng.integers(0, 256, count, dtype=np.uint8) & np.uint8(0xBF)).tobytes()
+    values = rng.random(count, dtype=np.float64 if dtype == "F64" else np.float32) - 0.5
+    if dtype == "BF16":
+        return (values.view(np.uint32) >> 16).astype("<u2").tobytes()
+    return values.astype({"F64": "<f8", "F32": "<f4", "F16": "<f2"}[dtype]).tobytes()
+
+
 def write_checkpoint(
-    directory: Path, *, shards: int, total_bytes: int, seed: int = 0, version: str | None = None
+    directory: Path,
+    *,
+    shards: int,
+    total_bytes: int,
+    seed: int = 0,
+    version: str | None = None,
+    dtype: str = "F32",
 ) -> None:
-    """Random finite float32 shards adding up to about `total_bytes` (tensors of up to
+    """Random finite shards of `dtype` adding up to about `total_bytes` (tensors of up to
     ~256 MB, as real layers), with our manifest. Written tensor by tensor and hashed as
     written: a 16 GB shard is never held in memory."""
     import struct
@@ -38,20 +60,21 @@ def write_checkpoint(
 
     rng = np.random.default_rng(seed)
     directory.mkdir(parents=True, exist_ok=True)
-    per_shard = max(4, total_bytes // shards // 4 * 4)
+    size = ELEMENT_BYTES[dtype]
+    per_shard = max(8, total_bytes // shards // 8 * 8)
     count = max(1, -(-per_shard // (256 << 20)))
     files = []
     for i in range(shards):
-        sizes = [per_shard // count // 4] * count
+        sizes = [per_shard // count // size] * count
         header: dict[str, object] = {}
         offset = 0
         for j, n in enumerate(sizes):
             header[f"model.layers.{i}.w{j}"] = {
-                "dtype": "F32",
+                "dtype": dtype,
                 "shape": [n],
-                "data_offsets": [offset, offset + 4 * n],
+                "data_offsets": [offset, offset + size * n],
             }
-            offset += 4 * n
+            offset += size * n
         raw = json.dumps(header).encode()
         raw += b" " * (-len(raw) % 8)
         path = directory / f"model-{i:05d}-of-{shards:05d}.safetensors"
@@ -61,7 +84,7 @@ def write_checkpoint(
                 f.write(chunk)
                 digest.update(chunk)
             for n in sizes:
-                data = (rng.random(n, dtype=np.float32) - np.float32(0.5)).tobytes()
+                data = finite_bytes(rng, n, dtype)
                 f.write(data)
                 digest.update(data)
         files.append({"path": path.name, "size": path.stat().st_size, "blake3": digest.hexdigest()})

@@ -46,10 +46,12 @@ def _hash_all(files: list[Path], make: Callable[[], Any], threads: int) -> None:
         list(pool.map(one, files))
 
 
-def _case(size_mb: int, shards: int, threads: int, pool: ThreadPoolExecutor) -> dict[str, object]:
+def _case(
+    size_mb: int, shards: int, threads: int, pool: ThreadPoolExecutor, dtype: str = "F32"
+) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="vllm-reloader-bench-") as scratch:
         directory = Path(scratch) / "step-1"
-        write_checkpoint(directory, shards=shards, total_bytes=size_mb * 1_000_000)
+        write_checkpoint(directory, shards=shards, total_bytes=size_mb * 1_000_000, dtype=dtype)
         files = sorted(directory.glob("*.safetensors"))
         total = sum(p.stat().st_size for p in files)
         cat = ["cat", *map(str, files)]
@@ -77,7 +79,7 @@ def _case(size_mb: int, shards: int, threads: int, pool: ThreadPoolExecutor) -> 
         }
     fastest = min(baselines, key=lambda k: baselines[k])
     return {
-        "benchmark": "gate", "mb": round(total / 1e6), "shards": shards,
+        "benchmark": "gate", "mb": round(total / 1e6), "shards": shards, "dtype": dtype,
         "headers_ms": round(header_s * 1000, 2),
         "full_s": round(full_s, 3), "full_gb_per_s": round(total / full_s / 1e9, 2),
         "two_pass_s": round(digests_s + finite_s, 3),
@@ -118,11 +120,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     parser.add_argument("--sizes-mb", default="10,100,1000")
     parser.add_argument("--shards", default="1,8,64")
     parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument(
+        "--dtypes", default="F32", help="comma-separated: F64, F32, BF16, F16, F8_E5M2, F8_E4M3"
+    )
     parser.add_argument("--plot", type=Path, help="write a PNG of seconds vs GB")
     args = parser.parse_args(argv)
     with ThreadPoolExecutor(args.threads, thread_name_prefix="gate-read") as pool:
         results = [
-            emit(_case(size_mb, shards, args.threads, pool))
+            emit(_case(size_mb, shards, args.threads, pool, dtype))
+            for dtype in args.dtypes.split(",")
             for size_mb in (int(s) for s in args.sizes_mb.split(","))
             for shards in (int(s) for s in args.shards.split(","))
         ]

@@ -113,3 +113,31 @@ def test_stream_scan_of_what_is_no_safetensors_file_scans_nothing(tmp_path):
     path.write_bytes(b"\xff" * 8 + b"not json")
     streamed = _streamed(path, pieces=3, seed=0)
     assert not streamed.scanned and streamed.found is None
+
+
+def non_finite_by_bits(words: list[int], dtype: str) -> bool:
+    """The definition, word by word: exponent bits all ones (E4M3fn: only S.1111.111, its NaN)."""
+    exponent = {"BF16": 0x7F80, "F16": 0x7C00, "F32": 0x7F80_0000, "F64": 0x7FF0_0000_0000_0000}
+    if dtype == "F8_E4M3":
+        return any(w & 0x7F == 0x7F for w in words)
+    mask = exponent.get(dtype, 0x7C)  # F8_E5M2: S.11111.xx
+    return any(w & mask == mask for w in words)
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F16", "F32", "F64", "F8_E5M2", "F8_E4M3"])
+def test_finite_scan_agrees_with_the_bit_definition_on_every_kind_of_word(dtype):
+    from vllm_reloader.checkpoint import finite
+
+    size = finite.element_bytes(dtype)
+    rng = np.random.default_rng(size)
+    word = np.dtype(f"<u{size}")
+    for trial in range(400):
+        count = int(rng.integers(1, 24))
+        raw = rng.integers(0, np.iinfo(word).max, size=count, dtype=word, endpoint=True)
+        if trial % 2:  # mostly finite words, a few of them random: NaN and Inf are rare
+            raw &= word.type(~(1 << (8 * size - 2)) & np.iinfo(word).max)
+            raw[rng.random(count) < 0.05] = rng.integers(0, np.iinfo(word).max, dtype=word, endpoint=True)
+        offset = int(rng.integers(0, 3)) * size  # a tensor that starts past the buffer's start
+        data = bytearray(offset) + bytearray(raw.tobytes()) + bytearray(size - 1)  # a partial element after
+        expected = non_finite_by_bits([int(w) for w in raw], dtype)
+        assert finite.holds_non_finite(data, offset, len(data), dtype) == expected, (raw, dtype)
