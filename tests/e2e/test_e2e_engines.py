@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support import background
 from tests.support.checkpoints import write_manifest
 from tests.support.engine_fixtures import (
     API_KEY,
@@ -73,14 +74,8 @@ class Traffic:
 
     @contextmanager
     def running(self) -> Iterator[Traffic]:
-        for thread in self.threads:
-            thread.start()
-        try:
+        with background.running(self.threads, self.stop, join_s=150):
             yield self
-        finally:
-            self.stop.set()
-            for thread in self.threads:
-                thread.join(timeout=150)
 
 
 def test_e2e_two_engines_roll_canary_first_stop_a_bad_version_and_bring_a_restarted_engine_back(

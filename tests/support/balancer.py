@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support import background
 from tests.support.engine_fixtures import API_KEY, Engine
 from tests.support.ports import unused_port
 from vllm_reloader.tools.demo import stop_process
@@ -202,17 +203,8 @@ class Clients:
 
     @contextmanager
     def running(self) -> Iterator[Clients]:
-        for thread in self.threads:
-            thread.start()
-        try:
+        with background.running(self.threads, self.stop, join_s=300):
             yield self
-        finally:
-            self.stop.set()
-            for thread in self.threads:
-                thread.join(timeout=300)
-
-    def since(self, start: float) -> list[Answer]:
-        return [a for a in list(self.answers) if a.sent >= start]
 
 
 @dataclass(frozen=True)
