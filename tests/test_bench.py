@@ -90,7 +90,7 @@ def test_bench_drain_prints_drain_on_and_off_side_by_side_behind_haproxy():
         _measured(report[side]["no_reload"], "requests", "p50_ms", "p99_ms", "max_ms")
         _measured(report[side]["updates"], "requests", "p50_ms", "p99_ms", "max_ms")
     assert report["on"]["failed"] == report["on"]["failing_checkpoint_answers"] == 0  # as the e2e test
-    assert "answered_while_paused" in result.stderr, "the side-by-side table"
+    assert "held_through_a_pause" in result.stderr, "the side-by-side table"
 
 
 def test_bench_gpu_datapath_script_runs_on_cpu_until_a_gpu_is_lent():
