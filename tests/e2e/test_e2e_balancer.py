@@ -47,14 +47,15 @@ def test_e2e_haproxy_sends_no_client_to_a_paused_or_unverified_engine_through_up
     assert foreign == [], "an answer from no good version: the failing checkpoint's"
     assert held_through_a_pause(answers, run.paused) == [], "no request waited on a paused engine"
     assert paused_in_rotation(run.paused, run.states) == [], "paused only once HAProxy took it out"
-    assert all(pauses(samples) for samples in run.paused.values()), "each was seen paused"
-    assert run.longest_gap < 5.0, f"the pause samplers kept up (longest gap {run.longest_gap:.2f} s)"
     assert {a.server for a in run.updates} == {"0", "1"}
 
     rolled = run.events("reload.rolled_back", engine=first, version="step-5")
     assert len(rolled) == 1 and rolled[0]["cause"] == "canary" and rolled[0]["to_version"] == "step-4"
     assert not run.events("reload.started", engine=second, version="step-5"), "the follower never had it"
     for url, server in ((first, "0"), (second, "1")):
+        reloads = run.events("reload.succeeded", engine=url)
+        seen = pauses(run.paused[server])
+        assert len(seen) >= len(reloads) >= 3, f"every reload of {url} was seen paused: {seen}"
         for done in run.events("reload.succeeded", engine=url):
             assert done["in_flight_at_pause"] == 0 and float(str(done["drain_ms"])) >= GRACE * 1000
             back = _at(done)  # said before the engine goes back: every answer of it comes later

@@ -60,8 +60,6 @@ class Run:
     """Each good version's greedy answer (asked of an engine serving it, directly)."""
     lines: list[dict[str, object]] = field(default_factory=list)
     """The daemon's log."""
-    longest_gap: float = 0.0
-    """Seconds, through the updates, that an engine's pause flag went unsampled at most."""
 
     def events(self, event: str, /, **fields: object) -> list[dict[str, object]]:
         return [e for e in self.lines if e.get("event") == event and fields.items() <= e.items()]
@@ -134,5 +132,4 @@ def roll(
         states=clients.states,
         good=texts,
         lines=list(daemon.lines),
-        longest_gap=clients.longest_gap(started),
     )
