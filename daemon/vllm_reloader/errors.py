@@ -123,10 +123,15 @@ class EngineCallFailed(EngineError):
 class ReloadFailed(EngineError):
     """`reload_weights` failed; `restored` tells whether the fallback was loaded back,
     `engine_up` whether the engine still answers, `changed` whether the cause was a writer
-    changing the files under the load (not the checkpoint's fault: it is checked again)."""
+    changing the files under the load (not the checkpoint's fault: it is checked again),
+    `refused` whether vLLM refused the load for want of device memory (the engine's
+    condition: retried later, the checkpoint not blamed)."""
 
-    def __init__(self, message: str, *, restored: bool, engine_up: bool, changed: bool = False) -> None:
+    def __init__(
+        self, message: str, *, restored: bool, engine_up: bool, changed: bool = False, refused: bool = False
+    ) -> None:
         super().__init__(message, endpoint="/collective_rpc")
         self.restored = restored
         self.engine_up = engine_up
         self.changed = changed
+        self.refused = refused

@@ -5,6 +5,7 @@ from vllm_reloader.engine.capabilities import (
     REQUIRED_ROUTES,
     SUPPORTED,
     Capabilities,
+    pause_rejects,
     problem,
     release,
     untested,
@@ -54,9 +55,9 @@ def test_routes_unknown_without_openapi_are_not_held_against_the_engine():
 
 
 def test_a_newer_release_is_untested_but_drivable():
-    newer = Capabilities("0.34.1", ALL, dev_mode=True)
+    newer = Capabilities("0.35.0", ALL, dev_mode=True)
     assert untested(newer) and problem(newer) is None
-    assert not untested(Capabilities("0.32.3", ALL, dev_mode=True))
+    assert not untested(Capabilities("0.34.1", ALL, dev_mode=True))
     assert not untested(Capabilities(None, ALL, dev_mode=True))
 
 
@@ -65,3 +66,10 @@ def test_logged_capabilities_are_sorted_routes_and_the_version():
         "vllm_version": "0.32.0",
         "routes": ["/pause", "/resume"],
     }
+
+
+def test_pauses_turn_new_requests_away_from_release_0_33_on():
+    assert not pause_rejects(Capabilities("0.32.0", ALL, dev_mode=True))
+    assert pause_rejects(Capabilities("0.33.0", ALL, dev_mode=True))
+    assert pause_rejects(Capabilities("0.34.0rc1", ALL, dev_mode=True))
+    assert not pause_rejects(Capabilities(None, ALL, dev_mode=True))

@@ -49,6 +49,30 @@ def test_engine_swap_restores_last_good_and_resumes_when_reload_fails():
     assert engine.calls[-1] == "/resume" and not engine.paused
 
 
+REFUSED = (
+    "RuntimeError: Updating weights layer by layer needs about 3.10 GiB of free device memory, at "
+    "least 1.55 GiB for the largest layer alone, but only 0.80 GiB is free beside the extensible KV cache."
+)
+"""vLLM 0.34's KV-cache loan refusing a reload (vllm/v1/worker/extensible_kv_cache.py)."""
+
+
+def test_engine_swap_marks_a_refused_load_as_the_engines_condition_and_restores():
+    engine = FakeEngine()
+    engine.fail["reload:/root/step-2"] = error(500, REFUSED)
+    with pytest.raises(ReloadFailed) as failed:
+        swap(engine)
+    assert failed.value.refused and failed.value.restored and not failed.value.changed
+    assert engine.loaded == "/root/step-1" and engine.version == "step-1" and not engine.paused
+
+
+def test_engine_swap_does_not_call_another_failure_a_refusal():
+    engine = FakeEngine()
+    engine.fail["reload:/root/step-2"] = error(500, "RuntimeError: size mismatch for lm_head.weight")
+    with pytest.raises(ReloadFailed) as failed:
+        swap(engine)
+    assert not failed.value.refused
+
+
 def test_engine_swap_reports_unrestored_weights_when_restore_fails_too():
     engine = FakeEngine()
     engine.fail["reload:/root/step-2"] = error()
@@ -97,6 +121,8 @@ def test_engine_reads_startup_model_and_extension_from_server_info():
     assert engine.client().server_config() == ServerConfig("/models/a", sleep_mode=False, extension=False)
     engine.extension = engine.sleep_mode = True
     assert engine.client().server_config() == ServerConfig("/models/a", sleep_mode=True, extension=True)
+    engine.reload_mode = "direct"
+    assert engine.client().server_config().reload_mode == "direct"
 
 
 @pytest.mark.parametrize("extension", [False, True])

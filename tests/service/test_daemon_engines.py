@@ -290,3 +290,27 @@ def test_engines_a_follower_trickling_its_answers_holds_neither_the_canary_engin
         assert "/weight_info: no whole answer within 1 s" in str(down["reason"])
     finally:
         follower.close()
+
+
+def test_engines_retry_a_load_refused_for_memory_on_the_canary_engine_and_blame_no_checkpoint(
+    start, root, make_checkpoint
+):
+    from tests.engine.test_swap import REFUSED
+
+    first, second = two_engines(root, make_checkpoint)
+    first.fail[f"reload:{root / 'step-2'}"] = error(500, REFUSED)
+    running = start(first, followers=[second])
+    running.wait_for("engine.reconciled", engine=follower_url(0))
+    make_checkpoint("step-2", step=2, root=root, seed=2)
+    refused = running.wait_for("engine.reload_refused", engine=ENGINE_URL, version="step-2")
+    assert "free device memory" in refused["reason"] and "gpu_memory_utilization" in refused["fix"]
+    retry = running.wait_for("engine.retry", engine=ENGINE_URL)
+    assert retry["retry_in_s"] > 0
+    assert first.version == "step-1", "the last good weights loaded back"
+    assert "reload:" + str(root / "step-2") not in second.calls, "the follower waits for the canary engine"
+    assert not running.events("checkpoint.rejected"), "the engine's memory is no fault of the checkpoint"
+    del first.fail[f"reload:{root / 'step-2'}"]
+    running.wait_for("reload.succeeded", version="step-2", engine=ENGINE_URL, timeout=15)
+    running.wait_for("reload.succeeded", version="step-2", engine=follower_url(0), timeout=15)
+    assert first.version == second.version == "step-2"
+    assert status.answer(running.daemon.snapshot())["engines"][0]["last_error"] is None

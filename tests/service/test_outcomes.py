@@ -95,3 +95,12 @@ def test_outcome_canary_failure_without_fallback_stays_loaded_and_says_so():
     decision = decide(Outcome(job(rollback=None), 0.5, canary_failed="nan"), now=1.0)
     assert names(decision) == ["reload.canary_failed_no_fallback"]
     assert decision.serving is not None and decision.serving.version == "step-2" and decision.set_serving
+
+
+def test_outcome_load_refused_for_memory_blames_no_checkpoint_and_says_how_to_make_room():
+    failed = ReloadFailed("Updating weights …; restored step-1", restored=True, engine_up=True, refused=True)
+    decision = decide(Outcome(job(), 0.5, error=failed), now=1.0)
+    assert decision.refused and decision.reject is None and decision.engine_down is None
+    assert names(decision) == ["reload.failed", "reload.rolled_back", "engine.reload_refused"]
+    assert "gpu_memory_utilization" in decision.events[-1].fields["fix"]
+    assert decision.serving == GOOD.model_copy(update={"since": 1.0})

@@ -122,3 +122,32 @@ def test_after_an_engine_restart_onto_unreadable_files_the_old_baseline_holds(
 def _no_ambient_hub_cache(monkeypatch):
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.delenv("HF_HOME", raising=False)
+
+
+@pytest.mark.parametrize(
+    ("release", "pause_mode", "reload_mode", "said"),
+    [
+        ("0.33.0", "wait", None, ["engine.pause_rejects"]),
+        ("0.34.0", "abort", "direct", ["engine.pause_rejects", "engine.reload_mode_direct"]),
+        ("0.34.0", "keep", "layerwise", []),
+        ("0.32.0", "wait", None, []),
+        ("0.32.0", "keep", "direct", ["engine.reload_mode_direct"]),
+    ],
+)
+def test_setup_says_what_a_release_does_that_an_operator_would_not_expect(
+    release: str, pause_mode: str, reload_mode: str | None, said: list[str]
+):
+    import structlog
+
+    from vllm_reloader.config import EngineConfig
+    from vllm_reloader.engine.capabilities import Capabilities
+    from vllm_reloader.engine.client import ServerConfig
+    from vllm_reloader.service import setup
+
+    engine = EngineConfig(url="http://127.0.0.1:8000", pause_mode=pause_mode)  # type: ignore[arg-type]
+    server = ServerConfig("/models/a", sleep_mode=False, extension=True, reload_mode=reload_mode)
+    with structlog.testing.capture_logs() as logs:
+        rejects = setup.per_release(engine, Capabilities(release, None, True), server, structlog.get_logger())
+    assert rejects == (release >= "0.33")
+    assert [line["event"] for line in logs] == said
+    assert all(line["log_level"] == "warning" and "fix" in line for line in logs)

@@ -52,6 +52,8 @@ class FakeEngine:
         """False: every dev route answers 404, as vLLM without VLLM_SERVER_DEV_MODE=1."""
         self.revision: str | None = None
         """`--revision`, as `/server_info` reports it."""
+        self.reload_mode: str | None = None
+        """`VLLM_RELOAD_MODE` in `/server_info`'s `vllm_env` (0.34+); None: not there."""
         self.running = 0
         """Requests holding KV blocks: vLLM refuses to reset the prefix cache while any does,
         unless told to preempt them (`reset_running_requests`)."""
@@ -88,7 +90,8 @@ class FakeEngine:
             model_config["enable_sleep_mode"] = self.sleep_mode
             parallel_config = {"worker_extension_cls": EXTENSION if self.extension else ""}
             config = {"model_config": model_config, "parallel_config": parallel_config}
-            return httpx.Response(200, json={"vllm_config": config})
+            env = {} if self.reload_mode is None else {"VLLM_RELOAD_MODE": self.reload_mode}
+            return httpx.Response(200, json={"vllm_config": config, "vllm_env": env})
         if path == "/sleep":
             self.asleep = {"weights", "kv_cache"}
             self.calls[-1] = f"/sleep?level={request.url.params['level']}&mode={request.url.params['mode']}"

@@ -3,9 +3,12 @@
 Asked once per reconcile (`/version`, `/openapi.json`): an engine without dev mode, or a
 release outside the supported range, is a setup error that no retry fixes — the daemon
 says so in one line, naming the variable or flag, and exits 2 instead of retrying forever.
-The routes the daemon drives have kept their URLs from 0.27.1 to 0.32 (only vLLM's modules
-moved: `serve/rlhf` → `serve/dev/rlhf` → `rl/online`), and `reload_weights` its
-`weights_path` keyword, so nothing needs bridging inside that range.
+The routes the daemon drives have kept their URLs and parameters from 0.27.1 to 0.34 (only
+vLLM's modules moved: `serve/rlhf` → `serve/dev/rlhf` → `rl/online`), and `reload_weights`
+its keywords; `tests/contract` checks that against every release's wheel. What changed is
+behaviour, handled per release: from 0.33 a pause in `wait` or `abort` mode answers new
+requests with 503 until `/resume`; 0.34 reloads inside a KV-cache loan that may refuse
+before touching any weight, and has `VLLM_RELOAD_MODE=direct` (no rollback inside vLLM).
 """
 
 from __future__ import annotations
@@ -27,8 +30,30 @@ REQUIRED_ROUTES = (
 OPTIONAL_ROUTES = ("/sleep", "/wake_up")
 """The `sleep` strategy's; only engines with --enable-sleep-mode need them."""
 OLDEST = (0, 27, 1)
-NEWEST_TESTED = (0, 32)
-SUPPORTED = "0.27.1 to 0.32.x"
+NEWEST_TESTED = (0, 34)
+"""The newest release the contract (`tests/contract`) passes on; the real-engine tests run the
+newest CPU build, 0.32."""
+SUPPORTED = "0.27.1 to 0.34.x"
+PAUSE_REJECTS_FROM = (0, 33)
+"""From this release a pause in `wait` or `abort` mode answers new requests with HTTP 503
+(`engine_paused`) until `/resume`; `keep` still queues them."""
+LOAN_REFUSED = "of free device memory, at least"
+"""In vLLM's error when its KV-cache loan refuses a reload (0.34+: "Updating weights layer by
+layer needs about N GiB of free device memory, at least M GiB for the largest layer alone…"),
+raised before any weight is touched: the engine's condition, not the checkpoint's."""
+LOAN_REFUSED_FIX = (
+    'leave the reload room: a lower gpu_memory_utilization, or [engine] strategy = "sleep" '
+    "(the KV cache's memory is freed for the load)"
+)
+PAUSE_REJECTS_FIX = (
+    'set [engine] pause_mode = "keep" (vLLM 0.33+ answers 503 to new requests while paused in '
+    "wait or abort mode), or drain behind a balancer ([readiness] drain = true)"
+)
+DIRECT_RELOAD = (
+    "VLLM_RELOAD_MODE=direct writes the new weights into the live tensors: a reload that fails "
+    "midway leaves them mixed (vLLM keeps no copy); the daemon loads the last good checkpoint back"
+)
+DIRECT_RELOAD_FIX = "unset VLLM_RELOAD_MODE in the engine's environment (layerwise is the default)"
 DEV_MODE_FIX = "start vLLM with VLLM_SERVER_DEV_MODE=1 in its environment"
 
 
@@ -70,6 +95,12 @@ def problem(found: Capabilities) -> str | None:
     if parsed is not None and parsed < OLDEST:
         return f"vLLM {found.version} is older than this daemon supports: use a release from {SUPPORTED}"
     return None
+
+
+def pause_rejects(found: Capabilities) -> bool:
+    """Whether a pause in `wait` or `abort` mode turns new requests away with 503 here."""
+    parsed = release(found.version)
+    return parsed is not None and parsed[:2] >= PAUSE_REJECTS_FROM
 
 
 def untested(found: Capabilities) -> bool:

@@ -122,6 +122,9 @@ class EngineClient:
             sleep_mode=bool(config["model_config"].get("enable_sleep_mode")),
             extension=(config.get("parallel_config") or {}).get("worker_extension_cls") == EXTENSION,
             revision=_str_or_none(config["model_config"].get("revision")),
+            reload_mode=_str_or_none(env.get("VLLM_RELOAD_MODE"))
+            if isinstance(env := body.get("vllm_env"), dict)
+            else None,
         )
 
     def capabilities(self) -> Capabilities:
@@ -346,6 +349,8 @@ class ServerConfig:
     """Started with `--worker-extension-cls` naming `EXTENSION`."""
     revision: str | None = None
     """`--revision`: which snapshot of a hub model id (default: the cache's `main`)."""
+    reload_mode: str | None = None
+    """`VLLM_RELOAD_MODE` (0.34+: `layerwise` or `direct`); None where vLLM has no such setting."""
 
 
 def load_report(results: list[Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from .. import failpoints
 from ..checkpoint.files import Identity
 from ..checkpoint.files import changed as files_changed
 from ..errors import EngineCallFailed, EngineError, EngineUnavailable, ReloadFailed
+from . import capabilities
 from .client import RELOADING_PREFIX, EngineClient
 
 
@@ -98,7 +99,11 @@ def hot_swap(
         except EngineError as exc:  # a writer at the files makes it no fault of the checkpoint's
             changed = target.changed() is not None
             woken = _wake(client, asleep)
-            raise _restore(client, fallback, str(exc), extension, woken=woken, changed=changed) from exc
+            # Refused for want of memory (vLLM 0.34+), rank by rank: another rank may have loaded.
+            refused = isinstance(exc, EngineCallFailed) and capabilities.LOAN_REFUSED in str(exc)
+            failed = _restore(client, fallback, str(exc), extension, woken=woken, changed=changed)
+            failed.refused = refused
+            raise failed from exc
         if asleep:
             with _timed(timings, "wake"):
                 client.wake_up(("kv_cache",))

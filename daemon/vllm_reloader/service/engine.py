@@ -139,6 +139,7 @@ class Engine:
             strategy=strategy,
             extension=served.extension,
             drain=drain,
+            pause_rejects=served.pause_rejects,
         )
         self.worker.submit(self.in_flight)
 
@@ -244,6 +245,7 @@ class Engine:
         model and layout baseline; returns the weight version it reports and what that is."""
         served, found, version, server = self.served, learned.found, learned.version, learned.server
         setup.untested(found, self.log)
+        served.pause_rejects = setup.per_release(config, found, server, self.log)
         served.sleep_capable, served.extension = server.sleep_mode, server.extension
         if not server.extension:
             self.log.warning("engine.builtin_loader", reason=BUILTIN_LOADER_RISK, fix=BUILTIN_LOADER_FIX)

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..engine import capabilities
 from ..errors import EngineError, ReloadFailed
 from .jobs import Job, Outcome
 from .state import Loaded
@@ -50,6 +51,8 @@ class Decision:
     """On success: seconds and bytes, for the metrics and `status`."""
     regate: str | None = None
     """A candidate whose files changed under the reload: gate it again once it settles."""
+    refused: bool = False
+    """vLLM refused the load for want of device memory: the engine tries it again later."""
 
 
 def decide(outcome: Outcome, *, now: float) -> Decision:
@@ -75,6 +78,9 @@ def decide(outcome: Outcome, *, now: float) -> Decision:
             events.append(Event("warning", "reload.rolled_back", fields))
         if error.changed:
             events.append(_changed(outcome, str(error), "after_load"))
+        if error.refused:  # the engine's memory, not the checkpoint: tried again after a backoff
+            refused = {"version": version, "reason": str(error), "fix": capabilities.LOAN_REFUSED_FIX}
+            events.append(Event("warning", "engine.reload_refused", refused))
         blame = Rejecting(
             job.candidate.name,
             version,
@@ -88,11 +94,12 @@ def decide(outcome: Outcome, *, now: float) -> Decision:
             tuple(events),
             owed,
             rollback=cause if rolled_back else None,
-            reject=blame if error.engine_up and not error.changed else None,
+            reject=blame if error.engine_up and not (error.changed or error.refused) else None,
             serving=back,
             set_serving=back is not None,
             engine_down=None if error.restored else error,
             regate=job.candidate.name if error.changed else None,
+            refused=error.refused,
         )
     if error is not None:
         events.append(

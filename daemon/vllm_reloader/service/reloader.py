@@ -169,19 +169,18 @@ class Reloader:
         self._reject(name, version, reason, fingerprint, check=fleet.FLEET_CHECK)
 
     def finished(self, outcome: Outcome) -> None:
-        """A reload came back from an engine's reload thread: apply what it means, then say it
-        (the log line comes once the state file and the cache agree with it)."""
-        engine = self.engines.take(outcome.job)
-        if engine is None:
+        """A reload came back from an engine's thread: apply it, then say it (once the state file agrees)."""
+        if (engine := self.engines.take(outcome.job)) is None:
             return
         decision = self.recalls.finished(engine.url, outcome.job, outcomes.decide(outcome, now=time.time()))
-        if engine is not self.canary:
-            decision = engine.as_follower(decision, self.config.engine)
-            if (r := decision.reject) is not None:  # its canary failed: every engine on it goes back
-                base = order.base_name(r.name)
-                self.recalls.add(base, r.version, r.fingerprint, r.reason, self.engines, "canary")
-                self._tell(Verdict(base, r.version, r.fingerprint, False, r.reason))  # and the fleet
-        elif outcome.job.candidate.fingerprint:  # not a restore
+        follower = engine is not self.canary
+        if follower or decision.refused or decision.result == "succeeded":  # refused: no verdict
+            decision = engine.as_follower(decision, self.config.engine)  # (later, after a backoff)
+        if follower and (r := decision.reject) is not None:  # its canary failed: all on it go back
+            base = order.base_name(r.name)
+            self.recalls.add(base, r.version, r.fingerprint, r.reason, self.engines, "canary")
+            self._tell(Verdict(base, r.version, r.fingerprint, False, r.reason))  # and the fleet
+        elif not follower and not decision.refused and outcome.job.candidate.fingerprint:  # not a restore
             self._tell(fleet.judged(outcome.job, decision))
         self._apply(engine, decision)
         engine.rotate(outcome, decision)
@@ -280,7 +279,8 @@ class Reloader:
         load a verdict of `ready` on the canary engine once there is room."""
         canary = self.canary
         served = canary.served
-        if served.baseline is None or not served.reconciled or not canary.idle:
+        refused = time.monotonic() < canary.retry_at_follow  # its last load was: after a backoff
+        if served.baseline is None or not served.reconciled or not canary.idle or refused:
             return
         if self.ready is not None and self._room() > 0:
             if self.ready.hold_until is None:  # a better target whose files moved: wait for its read

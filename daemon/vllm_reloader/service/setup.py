@@ -49,6 +49,26 @@ def untested(found: capabilities.Capabilities, logger: Any) -> None:
         logger.warning("engine.untested", vllm_version=found.version, tested=capabilities.SUPPORTED)
 
 
+def per_release(
+    config: EngineConfig, found: capabilities.Capabilities, server: ServerConfig, logger: Any
+) -> bool:
+    """Say what this release does that an operator would not expect; returns whether its
+    pauses in `wait` / `abort` mode turn new requests away (503)."""
+    rejects = capabilities.pause_rejects(found)
+    if rejects and config.pause_mode != "keep":
+        logger.warning(
+            "engine.pause_rejects",
+            vllm_version=found.version,
+            pause_mode=config.pause_mode,
+            fix=capabilities.PAUSE_REJECTS_FIX,
+        )
+    if server.reload_mode == "direct":
+        logger.warning(
+            "engine.reload_mode_direct", reason=capabilities.DIRECT_RELOAD, fix=capabilities.DIRECT_RELOAD_FIX
+        )
+    return rejects
+
+
 def startup_path(server: ServerConfig, environ: Mapping[str, str] | None = None) -> str:
     """The startup model's directory: a hub id resolved to its cached snapshot where found."""
     if hub.is_model_id(server.model):

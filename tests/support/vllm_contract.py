@@ -1,0 +1,359 @@
+"""The compatibility contract: what the daemon and its worker extension rely on in vLLM,
+checked by reading a release's Python sources (never running them).
+
+The routes and the parameters the daemon sends are read out of the daemon's own client
+(`engine/client.py`), so the contract follows the code; the worker side lists what
+`extension/worker.py` uses. `check(release, sources)` returns one line per thing that moved,
+naming it and where the daemon uses it; an empty list is a pass.
+
+Run by hand: `python -m tests.support.vllm_contract` (every release from the oldest supported
+on), printing each release's verdict and what it took to read."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from tests.support.lazy_wheel import Fetched, read_members, under
+from vllm_reloader.engine import capabilities, client
+
+INDEX = "https://pypi.org/simple/vllm/"
+CACHE = Path.home() / ".cache" / "vllm-reloader" / "contract"
+SELECTION = "contract-1"
+"""Bump when `WANTED` changes: the cache is keyed by it."""
+WANTED = under(
+    ("vllm/entrypoints/", "vllm/v1/worker/", "vllm/config/", "vllm/engine/", "vllm/v1/metrics/"),
+    ("vllm/envs.py", "vllm/v1/engine/__init__.py"),
+)
+NOT_VLLMS = {"/openapi.json": "FastAPI's own", "/metrics": "prometheus' mounted app"}
+"""Routes the daemon calls that no vLLM handler defines; `/metrics` is checked by its names."""
+SCHEDULER_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+WORKER = "vllm/v1/worker/gpu_worker.py"
+"""`Worker`: every worker class the extension is mixed into derives from it."""
+CONFIG_FIELDS = {
+    "ModelConfig": ("model", "model_weights", "revision", "enable_sleep_mode"),
+    "ParallelConfig": ("worker_extension_cls",),
+}
+"""Read from `/server_info` by the daemon, written by the extension after a load."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request the daemon's engine client makes."""
+
+    method: str
+    path: str
+    params: tuple[str, ...] = ()
+    body: tuple[str, ...] = ()
+    line: int = 0
+
+
+@dataclass
+class Handler:
+    method: str
+    path: str
+    file: str
+    names: set[str] = field(default_factory=set)
+    """Its arguments, the string constants in its body, and the fields of its body models."""
+    doc: str = ""
+
+
+def daemon_calls(source: str | None = None) -> list[Call]:
+    """Every `_call` / `_exchange` / `_optional` of the engine client, with the query
+    parameters and JSON keys it sends (literal dict keys, or the first of literal pairs)."""
+    tree = ast.parse(source if source is not None else Path(client.__file__).read_text())
+    calls = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        strings = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+        if node.func.attr == "_optional" and strings:
+            calls.append(Call("GET", strings[0], line=node.lineno))
+        elif node.func.attr in ("_call", "_exchange") and len(strings) >= 2:
+            keywords = {k.arg: k.value for k in node.keywords}
+            calls.append(
+                Call(
+                    strings[0],
+                    strings[1],
+                    _keys(keywords.get("params")),
+                    _keys(keywords.get("json")),
+                    node.lineno,
+                )
+            )
+    return calls
+
+
+def _keys(node: ast.expr | None) -> tuple[str, ...]:
+    if isinstance(node, ast.Dict):
+        return tuple(k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str))
+    if isinstance(node, ast.ListComp) and isinstance(node.elt, ast.Tuple) and node.elt.elts:
+        first = node.elt.elts[0]
+        return (first.value,) if isinstance(first, ast.Constant) and isinstance(first.value, str) else ()
+    return ()
+
+
+Trees = Mapping[str, ast.Module]
+Classes = Mapping[str, tuple[set[str], list[str], set[str]]]
+"""Each class by name: its annotated fields, its bases' names, its methods."""
+
+
+def parsed(sources: Mapping[str, str]) -> dict[str, ast.Module]:
+    """Each Python source's syntax tree (one that does not parse is left out)."""
+    trees = {}
+    for name, text in sorted(sources.items()):
+        if name.endswith(".py"):
+            try:
+                trees[name] = ast.parse(text)
+            except SyntaxError:
+                continue
+    return trees
+
+
+def _defs(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every statement, descending only into statement bodies (not expressions): the
+    definitions, at a fraction of `ast.walk`'s cost."""
+    for name in ("body", "orelse", "finalbody", "handlers"):
+        for child in getattr(tree, name, ()):
+            yield child
+            yield from _defs(child)
+
+
+def classes(trees: Trees) -> dict[str, tuple[set[str], list[str], set[str]]]:
+    """Every class by name: its annotated fields, its bases' names, its methods."""
+    found: dict[str, tuple[set[str], list[str], set[str]]] = {}
+    for tree in trees.values():
+        for node in _defs(tree):
+            if isinstance(node, ast.ClassDef):
+                fields, methods = set(), set()
+                for item in node.body:
+                    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                        fields.add(item.target.id)
+                    elif isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                        methods.add(item.name)
+                bases = [ast.unparse(b).rsplit(".", 1)[-1] for b in node.bases]
+                known = found.get(node.name, (set(), [], set()))
+                found[node.name] = (known[0] | fields, known[1] + bases, known[2] | methods)
+    return found
+
+
+def fields_of(name: str, known: Classes) -> set[str]:
+    """A class's annotated fields, its known bases' included."""
+    seen, todo, fields = set(), [name], set()
+    while todo:
+        current = todo.pop()
+        if current in seen or current not in known:
+            continue
+        seen.add(current)
+        fields |= known[current][0]
+        todo += known[current][1]
+    return fields
+
+
+def handlers(trees: Trees, known: Classes) -> dict[tuple[str, str], Handler]:
+    """Every FastAPI route vLLM defines by decorator (`@router.post("/pause")`)."""
+    found: dict[tuple[str, str], Handler] = {}
+    for name, tree in trees.items():
+        if not name.startswith("vllm/entrypoints/"):
+            continue
+        for node in _defs(tree):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for decorator in node.decorator_list:
+                route = _route(decorator)
+                if route is not None and route not in found:
+                    found[route] = _handler(route, name, node, known)
+    return found
+
+
+def _route(decorator: ast.expr) -> tuple[str, str] | None:
+    if not (isinstance(decorator, ast.Call) and isinstance(decorator.func, ast.Attribute)):
+        return None
+    verb = decorator.func.attr.upper()
+    first = decorator.args[0] if decorator.args else None
+    if verb in ("GET", "POST", "PUT") and isinstance(first, ast.Constant) and isinstance(first.value, str):
+        return verb, first.value
+    return None
+
+
+def _handler(
+    route: tuple[str, str],
+    file: str,
+    node: ast.FunctionDef | ast.AsyncFunctionDef,
+    known: Classes,
+) -> Handler:
+    handler = Handler(*route, file, doc=ast.get_docstring(node) or "")
+    for arg in node.args.args + node.args.kwonlyargs:
+        handler.names.add(arg.arg)
+        if arg.annotation is not None:
+            for word in re.findall(r"\w+", ast.unparse(arg.annotation)):
+                handler.names |= fields_of(word, known)
+    for inner in ast.walk(node):
+        if isinstance(inner, ast.Constant) and isinstance(inner.value, str):
+            handler.names.add(inner.value)
+    return handler
+
+
+def check(release: str, sources: Mapping[str, str], calls: list[Call] | None = None) -> list[str]:
+    """What moved in `release` that the daemon or its extension uses: one line each."""
+    problems = []
+    trees = parsed(sources)
+    known = classes(trees)
+    routes = handlers(trees, known)
+    for call in calls if calls is not None else daemon_calls():
+        where = f"(engine/client.py:{call.line})"
+        if call.path in NOT_VLLMS:
+            continue
+        handler = routes.get((call.method, call.path))
+        if handler is None:
+            problems.append(f"vLLM {release}: no {call.method} {call.path} route {where}")
+            continue
+        for name in call.params + call.body:
+            if name not in handler.names:
+                problems.append(
+                    f"vLLM {release}: {call.method} {call.path} ({handler.file}) takes no {name!r} {where}"
+                )
+    text = "\n".join(sources.values())
+    problems += [f"vLLM {release}: no /metrics gauge {m}" for m in SCHEDULER_METRICS if m not in text]
+    problems += _behaviour(release, routes, text)
+    problems += _pause_modes(release, sources)
+    problems += _worker(release, trees, known)
+    return problems
+
+
+def _behaviour(release: str, routes: Mapping[tuple[str, str], Handler], text: str) -> list[str]:
+    """What the daemon believes each release does (`engine/capabilities.py`), read in its source:
+    from which release a `wait`/`abort` pause answers 503, and the KV-cache loan's refusal."""
+    problems = []
+    parsed, pause = capabilities.release(release), routes.get(("POST", "/pause"))
+    if parsed is not None and pause is not None:
+        says = "503" in pause.doc
+        if says != (parsed[:2] >= capabilities.PAUSE_REJECTS_FROM):
+            problems.append(
+                f"vLLM {release}: /pause {'answers' if says else 'no longer answers'} new requests with 503, "
+                f"unlike what the daemon expects (capabilities.PAUSE_REJECTS_FROM)"
+            )
+    if "def kv_cache_lent_for_weight_update" in text and capabilities.LOAN_REFUSED not in text:
+        problems.append(
+            f"vLLM {release}: the KV-cache loan's refusal no longer says {capabilities.LOAN_REFUSED!r} "
+            "(capabilities.LOAN_REFUSED)"
+        )
+    return problems
+
+
+def _pause_modes(release: str, sources: Mapping[str, str]) -> list[str]:
+    """The modes `[engine] pause_mode` offers must be vLLM's `PauseMode`."""
+    wanted = ("keep", "wait", "abort")
+    for text in sources.values():
+        if found := re.search(r"^PauseMode\s*=\s*Literal\[([^\]]*)\]", text, re.M):
+            missing = [m for m in wanted if f'"{m}"' not in found.group(1)]
+            return [f"vLLM {release}: PauseMode has no {m!r} ([engine] pause_mode)" for m in missing]
+    return [f"vLLM {release}: no PauseMode literal found ([engine] pause_mode)"]
+
+
+def _worker(release: str, trees: Trees, known: Classes) -> list[str]:
+    """What `extension/worker.py` uses: the worker's `reload_weights(weights_iterator=…,
+    weights_path=…)` (vLLM's own, or each model runner's it passes them on to), the model
+    runner's `get_model`, and the config fields it and the daemon read."""
+    problems = []
+    worker = _function(trees.get(WORKER), "Worker", "reload_weights")
+    if worker is None:
+        problems.append(f"vLLM {release}: Worker.reload_weights is gone ({WORKER}; extension/worker.py)")
+    else:
+        runners = [] if _accepts(worker) else _all_functions(trees, "vllm/v1/worker/", "reload_weights")
+        for file, function in [(WORKER, worker), *runners]:
+            if not _accepts(function) and not (function.args.vararg and function.args.kwarg):
+                problems.append(
+                    f"vLLM {release}: {file}: reload_weights takes no weights_iterator/weights_path "
+                    "(extension/worker.py)"
+                )
+    if not any("get_model" in methods for _, _, methods in known.values()):
+        problems.append(f"vLLM {release}: no model runner has get_model (extension/worker.py)")
+    for cls, names in CONFIG_FIELDS.items():
+        have = fields_of(cls, known)
+        problems += [f"vLLM {release}: {cls} has no field {n!r}" for n in names if n not in have]
+    return problems
+
+
+def _accepts(function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    names = {a.arg for a in function.args.args + function.args.kwonlyargs}
+    return {"weights_iterator", "weights_path"} <= names
+
+
+def _function(tree: ast.Module | None, cls: str, name: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    for node in _defs(tree) if tree is not None else ():
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) and item.name == name:
+                    return item
+    return None
+
+
+Function = ast.FunctionDef | ast.AsyncFunctionDef
+
+
+def _all_functions(trees: Trees, prefix: str, name: str) -> list[tuple[str, Function]]:
+    return [
+        (file, node)
+        for file, tree in trees.items()
+        if file.startswith(prefix) and file != WORKER
+        for node in _defs(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name
+    ]
+
+
+WHEEL = re.compile(r"vllm-(\d+)\.(\d+)\.(\d+)-cp\d+-abi3-manylinux[^-]*_x86_64\.whl")
+
+
+@dataclass(frozen=True)
+class Wheel:
+    release: str
+    url: str
+    size: int
+    sha256: str
+
+
+def wheels(http: httpx.Client, index: str = INDEX) -> list[Wheel]:
+    """The x86_64 wheel of every release from the oldest the daemon supports to the newest
+    (pre-releases and yanked files left out)."""
+    answer = http.get(index, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    answer.raise_for_status()
+    found = {}
+    for file in answer.json()["files"]:
+        name = WHEEL.fullmatch(file["filename"])
+        if name is None or file.get("yanked"):
+            continue
+        release = tuple(int(part) for part in name.groups())
+        if release >= capabilities.OLDEST:
+            sha256 = file["hashes"]["sha256"]
+            found[release] = Wheel(".".join(name.groups()), file["url"], file["size"], sha256)
+    return [found[r] for r in sorted(found)]
+
+
+def sources_of(http: httpx.Client, wheel: Wheel, cache: Path = CACHE) -> tuple[dict[str, str], Fetched]:
+    return read_members(http, wheel.url, wheel.size, wheel.sha256, WANTED, cache, SELECTION)
+
+
+def main() -> int:
+    started, failed = time.perf_counter(), 0
+    with httpx.Client(timeout=60, follow_redirects=True) as http:
+        for wheel in wheels(http):
+            sources, fetched = sources_of(http, wheel)
+            problems = check(wheel.release, sources)
+            failed += bool(problems)
+            how = "cached" if fetched.cached else f"{fetched.requests} requests, {fetched.bytes / 1e6:.1f} MB"
+            print(f"{wheel.release}: {'FAILS' if problems else 'ok'} ({how}, {fetched.seconds:.2f} s)")
+            for problem in problems:
+                print(f"  {problem}")
+    print(f"{time.perf_counter() - started:.1f} s in all")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
