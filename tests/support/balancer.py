@@ -183,8 +183,7 @@ class Clients:
                 self.answers.append(Answer(sent, time.time(), server, response.status_code, text, error))
 
     def _sample(self, ask: Callable[[], object], into: list[Sample]) -> None:
-        """Never ends on an error (a busy engine slow to answer): it asks again at once, and
-        the test checks that every reload was still seen paused."""
+        """Never ends on an error (a busy engine slow to answer): it asks again at once."""
         while not self.stop.wait(0.01):
             try:
                 asked = time.time()

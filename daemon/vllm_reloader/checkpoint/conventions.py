@@ -6,6 +6,7 @@ the files show (see `completeness`'s docstring for what each one requires).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -100,12 +101,46 @@ def unsignalled_reason(names: Collection[str], convention: Convention) -> str:
     return f"no completion marker ({', '.join(convention.markers)}) yet"
 
 
+DCP_METADATA = ".metadata"
+"""torch DCP's `FileSystemWriter` renames it into place after every rank's `.distcp` file."""
+RANK_SHARD = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors")
+"""`HuggingFaceStorageWriter(save_distributed=True)`'s per-rank files: each holds a slice."""
+PUBLISH = "publish the output with `vllm-reloader publish` (docs/trainers.md)"
+DEEPSPEED_PREFIXES = ("mp_rank_", "zero_pp_rank_", "bf16_zero_pp_rank_")
+"""DeepSpeed's `global_stepN/` files: model states and ZeRO optimizer partitions."""
+CONVERTING = f"convert it to safetensors and {PUBLISH}"
+
+
+def foreign_format(names: Collection[str]) -> str | None:
+    """A trainer's own format, which vLLM cannot read: what it is, and what to do instead."""
+    if any(name.endswith(".distcp") for name in names):
+        state = "complete" if DCP_METADATA in names else "being written: .metadata comes last"
+        megatron = "Megatron " if "metadata.json" in names else ""
+        return (
+            f"a {megatron}torch DCP checkpoint ({state}), which vLLM cannot read: save with "
+            f"HuggingFaceStorageWriter (TorchTitan: checkpoint.last_save_in_hf), or {CONVERTING}"
+        )
+    if any(RANK_SHARD.fullmatch(name) for name in names):
+        return (
+            "HuggingFaceStorageWriter's per-rank shards (save_distributed without consolidation), "
+            "each a slice of the tensors: save with enable_consolidation=True"
+        )
+    if any(name.startswith(DEEPSPEED_PREFIXES) and name.endswith(".pt") for name in names):
+        return (
+            "a DeepSpeed checkpoint (ZeRO .pt shards), which vLLM cannot read: run the "
+            f"zero_to_fp32.py saved beside it with --safe_serialization, then {PUBLISH}"
+        )
+    return None
+
+
 def waiting_reason(names: Collection[str]) -> str:
     """Why an `auto` checkpoint waits, and what would end the wait."""
     if downloading := _downloading(names):
         return f"{downloading} is there: a download into it has not finished"
     if _trainer_unfinished(names):
         return f"a Trainer checkpoint without its {TRAINER_STATE} yet (Trainer writes it last)"
+    if foreign := foreign_format(names):
+        return foreign
     weights = [name for name in names if is_top_level_shard(name)]
     if weights:
         return (
