@@ -7,7 +7,7 @@ call), against a warm `cat` of the whole checkpoint in the same run, and against
 checkpoint appearing all at once (renamed in whole: nothing read before the manifest).
 The scripted engine answers at once, so only the daemon's share is measured.
 
-    .venv/bin/python bench/staged.py [--gb 1,8,16 --shards 8 --pace-mb-s 0]
+    .venv/bin/python bench/staged.py [--gb 1,8,16 --shards 8 --pace-mb-s 0 --dtypes BF16]
 """
 
 from __future__ import annotations
@@ -42,14 +42,14 @@ def _copy(source: Path, target: Path, pace_mb_s: float) -> None:
                 time.sleep(ahead)
 
 
-def _case(gb: float, shards: int, pace_mb_s: float) -> dict[str, object]:
+def _case(gb: float, shards: int, pace_mb_s: float, dtype: str = "BF16") -> dict[str, object]:
     from tests.support.engine_fixtures import DaemonProcess, daemon_config
     from tests.support.fake_engine import FakeEngine, FakeEngineServer
 
     with tempfile.TemporaryDirectory(prefix="vllm-reloader-bench-") as scratch:
         base = Path(scratch)
         staging, root = base / "staging", base / "root"
-        write_checkpoint(staging, shards=shards, total_bytes=int(gb * 1e9))
+        write_checkpoint(staging, shards=shards, total_bytes=int(gb * 1e9), dtype=dtype)
         (root / "step-1").mkdir(parents=True)
         for path in staging.iterdir():
             if path.name != "manifest.json":
@@ -85,7 +85,7 @@ def _case(gb: float, shards: int, pace_mb_s: float) -> dict[str, object]:
             server.close()
     staged_s, whole_s = float(staged["detect_ms"]) / 1000, float(whole["detect_ms"]) / 1000  # type: ignore[arg-type]
     return {
-        "benchmark": "staged", "gb": gb, "shards": shards, "pace_mb_s": pace_mb_s or None,
+        "benchmark": "staged", "gb": gb, "shards": shards, "dtype": dtype, "pace_mb_s": pace_mb_s or None,
         "staged_complete_to_reload_s": round(staged_s, 3), "cached_bytes": ready.get("cached_bytes"),
         "whole_complete_to_reload_s": round(whole_s, 3), "cat_s": round(cat_s, 3),
         "ratio": round(staged_s / cat_s, 3), "ratio_whole": round(whole_s / cat_s, 3),
@@ -105,8 +105,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     parser.add_argument(
         "--pace-mb-s", type=float, default=0.0, help="the writer's pace; 0: as fast as it goes"
     )
+    parser.add_argument("--dtypes", default="BF16", help="comma-separated safetensors dtypes")
     args = parser.parse_args(argv)
-    return [emit(_case(float(gb), args.shards, args.pace_mb_s)) for gb in args.gb.split(",")]
+    return [
+        emit(_case(float(gb), args.shards, args.pace_mb_s, dtype))
+        for dtype in args.dtypes.split(",")
+        for gb in args.gb.split(",")
+    ]
 
 
 if __name__ == "__main__":

@@ -115,9 +115,11 @@ class EngineUnavailable(EngineError):
 class EngineCallFailed(EngineError):
     """The engine answered, but with an error status or a body we cannot use."""
 
-    def __init__(self, message: str, *, endpoint: str, status: int | None = None) -> None:
+    def __init__(self, message: str, *, endpoint: str, status: int | None = None, detail: str = "") -> None:
         super().__init__(message, endpoint=endpoint)
         self.status = status
+        self.detail = detail
+        """The engine's error text, longer than the message keeps (matched, never logged whole)."""
 
 
 class ReloadFailed(EngineError):

@@ -32,9 +32,11 @@ def http() -> Iterator[httpx.Client]:
 @pytest.fixture(scope="module")
 def wheels(http: httpx.Client) -> list[contract.Wheel]:
     try:
-        return contract.wheels(http)
+        found, missing = contract.wheels(http)
     except (httpx.HTTPError, OSError) as exc:
         pytest.fail(f"could not check the vLLM contract: {contract.INDEX} unreachable ({exc})")
+    assert missing == [], "releases in range with no x86_64 wheel to read: the contract cannot check them"
+    return found
 
 
 def test_every_release_from_the_oldest_supported_to_the_newest_meets_the_contract(
@@ -61,33 +63,72 @@ def test_every_release_from_the_oldest_supported_to_the_newest_meets_the_contrac
         )
 
 
+NEWEST = "0.34.0"
+"""The release with the KV-cache loan and VLLM_RELOAD_MODE: the doctorings of those start here."""
 DOCTORINGS = {
     "route renamed": (
+        CPU_BUILD,
         "vllm/entrypoints/rl/online/api_router.py",
         '@router.post("/pause")',
         '@router.post("/pause_generation")',
         "no POST /pause route",
     ),
     "query parameter renamed": (
+        CPU_BUILD,
         "vllm/entrypoints/serve/dev/cache/api_router.py",
         "reset_running_requests",
         "reset_running",
-        "takes no 'reset_running_requests'",
+        "takes no query parameter 'reset_running_requests'",
+    ),
+    "query parameter moved into the body": (
+        CPU_BUILD,
+        "vllm/entrypoints/rl/online/api_router.py",
+        "mode: Annotated[PauseMode, Query()]",
+        "mode: Annotated[PauseMode, Body(embed=True)]",
+        "takes no query parameter 'mode'",
     ),
     "worker keyword renamed": (
+        CPU_BUILD,
         "vllm/v1/worker/gpu_model_runner.py",
         "weights_path",
         "checkpoint_path",
         "reload_weights takes no weights_iterator/weights_path",
     ),
-    "pause mode dropped": ("vllm/v1/engine/__init__.py", ', "keep"]', "]", "PauseMode has no 'keep'"),
+    "pause mode dropped": (
+        CPU_BUILD,
+        "vllm/v1/engine/__init__.py",
+        ', "keep"]',
+        "]",
+        "PauseMode has no 'keep'",
+    ),
     "pause starts answering 503": (
+        CPU_BUILD,
         "vllm/entrypoints/rl/online/api_router.py",
         "Pause generation requests to allow weight updates.",
         "Pause generation; new requests get HTTP 503 until /resume.",
         "answers new requests with 503",
     ),
-    "config field renamed": ("vllm/config/model.py", "    model_weights:", "    weights:", "model_weights"),
+    "config field renamed": (
+        CPU_BUILD,
+        "vllm/config/model.py",
+        "    model_weights:",
+        "    weights:",
+        "model_weights",
+    ),
+    "loan refusal reworded": (
+        NEWEST,
+        "vllm/v1/worker/extensible_kv_cache.py",
+        "Updating weights layer by layer needs about",
+        "A layer-by-layer weight update needs about",
+        "no error raised saying",
+    ),
+    "reload mode renamed": (
+        NEWEST,
+        "vllm/envs.py",
+        '["layerwise", "direct"]',
+        '["layerwise", "inplace"]',
+        "VLLM_RELOAD_MODE",
+    ),
 }
 
 
@@ -95,12 +136,11 @@ DOCTORINGS = {
 def test_contract_fails_naming_what_moved_in_a_doctored_wheel(
     http: httpx.Client, wheels: list[contract.Wheel], tmp_path: Path, doctoring: str
 ):
-    real = next(w for w in wheels if w.release == CPU_BUILD)
-    sources, _ = contract.sources_of(http, real)
-    member, old, new, named = DOCTORINGS[doctoring]
+    release, member, old, new, named = DOCTORINGS[doctoring]
+    sources, _ = contract.sources_of(http, next(w for w in wheels if w.release == release))
     assert old in sources[member], f"{member} no longer has {old!r}: update this doctoring"
     doctored = {**sources, member: sources[member].replace(old, new)}
-    wheel = tmp_path / f"vllm-{CPU_BUILD}-cp38-abi3-manylinux_2_28_x86_64.whl"
+    wheel = tmp_path / f"vllm-{release}-cp38-abi3-manylinux_2_28_x86_64.whl"
     with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as archive:
         bulk = random.Random(0).randbytes(8 << 20)  # the compiled part, before the sources, as in a wheel
         archive.writestr("vllm/_C.abi3.so", bulk, zipfile.ZIP_STORED)
@@ -111,10 +151,33 @@ def test_contract_fails_naming_what_moved_in_a_doctored_wheel(
             http, url, wheel.stat().st_size, "doctored", contract.WANTED, tmp_path / "cache", "t"
         )
     assert read == doctored and fetched.requests >= 1 and fetched.bytes < wheel.stat().st_size
-    assert contract.check(CPU_BUILD, sources) == []
-    problems = contract.check(CPU_BUILD, read)
-    assert problems and all(CPU_BUILD in p for p in problems)
+    assert contract.check(release, sources) == []
+    problems = contract.check(release, read)
+    assert problems and all(release in p for p in problems)
     assert any(named in p for p in problems), problems
+
+
+def test_contract_lists_post_releases_and_fails_a_release_with_no_wheel_to_read():
+    def file(name: str) -> dict[str, object]:
+        return {
+            "filename": name,
+            "url": f"https://files.example/{name}",
+            "size": 1,
+            "hashes": {"sha256": "0"},
+        }
+
+    names = [
+        "vllm-0.27.0-cp38-abi3-manylinux_2_28_x86_64.whl",  # older than supported
+        "vllm-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl",
+        "vllm-0.32.0.post1-cp38-abi3-manylinux_2_28_x86_64.whl",
+        "vllm-0.33.0rc1-cp38-abi3-manylinux_2_28_x86_64.whl",  # a pre-release
+        "vllm-0.35.0-cp38-abi3-manylinux_2_28_aarch64.whl",  # no x86_64 wheel: cannot be checked
+        "vllm-0.35.0.tar.gz",
+    ]
+    index = httpx.MockTransport(lambda _: httpx.Response(200, json={"files": [file(n) for n in names]}))
+    with httpx.Client(transport=index) as http:
+        found, missing = contract.wheels(http)
+    assert [w.release for w in found] == ["0.32.0", "0.32.0.post1"] and missing == ["0.35.0"]
 
 
 def test_contract_covers_every_route_the_daemon_requires_with_what_it_sends():

@@ -67,7 +67,7 @@ def test_e2e_publish_hot_reloads_and_matches_a_fresh_engine(world: World, tmp_pa
     # Its step is lower than 99: the daemon must not move backwards to it.
     time.sleep(1.0)
     assert not world.daemon.events("reload.started", version=a_again)
-    a_newest = f"step-{next(_steps) + 100}"
+    a_newest = f"step-{next(_steps)}"  # from the world's counter: no name is used twice
     shutil.copytree(world.staging / "seed-1", world.root / f".stage-{a_newest}")
     list_files(world.root / f".stage-{a_newest}", a_newest, step=1000 + next(_steps))
     (world.root / f".stage-{a_newest}").rename(world.root / a_newest)

@@ -73,3 +73,15 @@ def test_pauses_turn_new_requests_away_from_release_0_33_on():
     assert pause_rejects(Capabilities("0.33.0", ALL, dev_mode=True))
     assert pause_rejects(Capabilities("0.34.0rc1", ALL, dev_mode=True))
     assert not pause_rejects(Capabilities(None, ALL, dev_mode=True))
+
+
+def test_a_refusal_is_vllms_whole_sentence_and_never_a_name_a_writer_chose():
+    from vllm_reloader.engine.capabilities import refused
+
+    sentence = (
+        "Updating weights layer by layer needs about 3.10 GiB of free device memory, at least "
+        "1.55 GiB for the largest layer alone, but only 0.80 GiB is free"
+    )
+    assert refused(f"/collective_rpc: HTTP 500: RuntimeError: {sentence}")
+    assert not refused("of free device memory, at least")  # the phrase alone
+    assert not refused(f"no such file /ckpt/{sentence}/model.safetensors", ("/ckpt/" + sentence,))

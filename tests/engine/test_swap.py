@@ -65,11 +65,29 @@ def test_engine_swap_marks_a_refused_load_as_the_engines_condition_and_restores(
     assert engine.loaded == "/root/step-1" and engine.version == "step-1" and not engine.paused
 
 
-def test_engine_swap_does_not_call_another_failure_a_refusal():
+def test_engine_swap_takes_a_restore_refused_too_as_weights_no_rank_changed():
     engine = FakeEngine()
-    engine.fail["reload:/root/step-2"] = error(500, "RuntimeError: size mismatch for lm_head.weight")
+    engine.fail["reload:/root/step-2"] = error(500, REFUSED)
+    engine.fail["reload:/root/step-1"] = error(500, REFUSED)
     with pytest.raises(ReloadFailed) as failed:
         swap(engine)
+    assert failed.value.refused and failed.value.restored and "refused too" in str(failed.value)
+    assert engine.version == "step-1" and not engine.paused, "marked as what it still holds"
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "RuntimeError: size mismatch for lm_head.weight",
+        f"FileNotFoundError: /root/step-2/{REFUSED[14:110]} GiB.safetensors",  # a writer's file name
+    ],
+)
+def test_engine_swap_does_not_call_another_failure_a_refusal(message: str):
+    engine = FakeEngine()
+    target = Target("step-2", "/root/step-2", {f"{REFUSED[14:110]} GiB.safetensors": (1, 2, 3, 4, 5)})
+    engine.fail["reload:/root/step-2"] = error(500, message)
+    with pytest.raises(ReloadFailed) as failed:
+        hot_swap(engine.client(), target, fallback=OLD, on_resume_failed=lambda e: None)
     assert not failed.value.refused
 
 

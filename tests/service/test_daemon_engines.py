@@ -304,6 +304,7 @@ def test_engines_retry_a_load_refused_for_memory_on_the_canary_engine_and_blame_
     make_checkpoint("step-2", step=2, root=root, seed=2)
     refused = running.wait_for("engine.reload_refused", engine=ENGINE_URL, version="step-2")
     assert "free device memory" in refused["reason"] and "gpu_memory_utilization" in refused["fix"]
+    assert "free device memory" in running.wait_for("engine.retry", engine=ENGINE_URL)["reason"]
     retry = running.wait_for("engine.retry", engine=ENGINE_URL)
     assert retry["retry_in_s"] > 0
     assert first.version == "step-1", "the last good weights loaded back"

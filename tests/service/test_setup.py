@@ -125,17 +125,18 @@ def _no_ambient_hub_cache(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("release", "pause_mode", "reload_mode", "said"),
+    ("release", "pause_mode", "drained", "reload_mode", "said"),
     [
-        ("0.33.0", "wait", None, ["engine.pause_rejects"]),
-        ("0.34.0", "abort", "direct", ["engine.pause_rejects", "engine.reload_mode_direct"]),
-        ("0.34.0", "keep", "layerwise", []),
-        ("0.32.0", "wait", None, []),
-        ("0.32.0", "keep", "direct", ["engine.reload_mode_direct"]),
+        ("0.33.0", "wait", False, None, ["engine.pause_rejects"]),
+        ("0.34.0", "abort", False, "direct", ["engine.pause_rejects", "engine.reload_mode_direct"]),
+        ("0.34.0", "wait", True, None, []),  # drained: out of rotation before its pause
+        ("0.34.0", "keep", False, "layerwise", []),
+        ("0.32.0", "wait", False, None, []),
+        ("0.32.0", "keep", False, "direct", ["engine.reload_mode_direct"]),
     ],
 )
 def test_setup_says_what_a_release_does_that_an_operator_would_not_expect(
-    release: str, pause_mode: str, reload_mode: str | None, said: list[str]
+    release: str, pause_mode: str, drained: bool, reload_mode: str | None, said: list[str]
 ):
     import structlog
 
@@ -147,7 +148,6 @@ def test_setup_says_what_a_release_does_that_an_operator_would_not_expect(
     engine = EngineConfig(url="http://127.0.0.1:8000", pause_mode=pause_mode)  # type: ignore[arg-type]
     server = ServerConfig("/models/a", sleep_mode=False, extension=True, reload_mode=reload_mode)
     with structlog.testing.capture_logs() as logs:
-        rejects = setup.per_release(engine, Capabilities(release, None, True), server, structlog.get_logger())
-    assert rejects == (release >= "0.33")
+        setup.per_release(engine, drained, Capabilities(release, None, True), server, structlog.get_logger())
     assert [line["event"] for line in logs] == said
     assert all(line["log_level"] == "warning" and "fix" in line for line in logs)

@@ -76,6 +76,10 @@ class RangeFile(io.RawIOBase):
         response.raise_for_status()
         if response.status_code != 206:
             raise OSError(f"{self.url}: the server ignored the range request (HTTP {response.status_code})")
+        if len(response.content) != high - low + 1:
+            raise OSError(
+                f"{self.url}: asked for {high - low + 1} bytes at {low}, got {len(response.content)}"
+            )
         self.fetched.requests += 1
         self.fetched.bytes += len(response.content)
         for block in range(missing[0], missing[-1] + 1):

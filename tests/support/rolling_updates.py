@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.support import background
 from tests.support.balancer import MAX_TOKENS, PROMPT, Answer, Clients, Samples, States, start_haproxy
 from tests.support.checkpoints import write_manifest
 from tests.support.engine_fixtures import DaemonProcess, Engine, daemon_config, exploding, start_engine
@@ -35,6 +37,29 @@ def two_engines(model: Path, directory: Path) -> list[Engine]:
             for n, core in (("first", "0"), ("second", "1"))
         ]
         return [f.result() for f in starting]
+
+
+@contextmanager
+def holding(holds: Path, seconds: float) -> Iterator[None]:
+    """While in it, every reload's pause lasts `seconds` at least: the daemon holds at
+    `after_pause` (the engine paused, its weights untouched) until the hold file goes."""
+    stop = threading.Event()
+    hold, held = holds / "after_pause.hold", holds / "after_pause.held"
+
+    def hold_each() -> None:
+        while not stop.is_set():
+            hold.touch()
+            while not held.exists() and not stop.wait(0.01):
+                pass
+            stop.wait(seconds)
+            hold.unlink(missing_ok=True)
+            while held.exists() and not stop.wait(0.01):
+                pass
+        hold.unlink(missing_ok=True)
+
+    threads = [threading.Thread(target=hold_each, daemon=True)] if seconds else []
+    with background.running(threads, stop, join_s=10):
+        yield
 
 
 def text_of(engine: Engine) -> str:
@@ -75,11 +100,13 @@ def roll(
     first_step: int,
     drain: bool,
     quiet_s: float = 8.0,
+    hold_pauses_s: float = 0.0,
 ) -> Run:
     """A daemon on `engines` (serving ROOT's newest already), HAProxy in front, clients on
     it; then `good` published one after the other, each rolled over every engine, then a
     checkpoint made from `bad_from` whose canary fails on the first engine. Returns once the
-    first engine is back in HAProxy after its rollback."""
+    first engine is back in HAProxy after its rollback. `hold_pauses_s`: every pause lasts at
+    least that long (failpoint `after_pause`), so that the samplers see each one."""
     readiness = unused_port()
     config = daemon_config(
         base / "daemon.toml",
@@ -91,7 +118,9 @@ def roll(
     with config.open("a") as f:
         f.write(f'[readiness]\nlisten = "127.0.0.1:{readiness}"\ndrain = {str(drain).lower()}\n')
         f.write(f"grace = {GRACE}\ndrain_timeout = 30\n")
-    daemon = DaemonProcess(config)
+    holds = base / "holds"
+    holds.mkdir(parents=True, exist_ok=True)
+    daemon = DaemonProcess(config, env={"VLLM_RELOADER_FAILPOINT_DIR": str(holds)} if hold_pauses_s else None)
     first, last = engines[0], engines[-1]
     try:
         for engine in engines:
@@ -101,7 +130,7 @@ def roll(
         balancer = start_haproxy([e.url for e in engines], readiness, base / "haproxy")
         try:
             balancer.wait_all_up(len(engines))
-            with Clients(balancer, engines).running() as clients:
+            with Clients(balancer, engines).running() as clients, holding(holds, hold_pauses_s):
                 threading.Event().wait(quiet_s)
                 started = time.time()
                 step = first_step

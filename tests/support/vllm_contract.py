@@ -12,6 +12,7 @@ on), printing each release's verdict and what it took to read."""
 from __future__ import annotations
 
 import ast
+import hashlib
 import re
 import sys
 import time
@@ -20,18 +21,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from packaging.version import InvalidVersion, Version
 
 from tests.support.lazy_wheel import Fetched, read_members, under
 from vllm_reloader.engine import capabilities, client
 
 INDEX = "https://pypi.org/simple/vllm/"
 CACHE = Path.home() / ".cache" / "vllm-reloader" / "contract"
-SELECTION = "contract-1"
-"""Bump when `WANTED` changes: the cache is keyed by it."""
-WANTED = under(
-    ("vllm/entrypoints/", "vllm/v1/worker/", "vllm/config/", "vllm/engine/", "vllm/v1/metrics/"),
-    ("vllm/envs.py", "vllm/v1/engine/__init__.py"),
-)
+PREFIXES = ("vllm/entrypoints/", "vllm/v1/worker/", "vllm/config/", "vllm/engine/", "vllm/v1/metrics/")
+EXACT = ("vllm/envs.py", "vllm/v1/engine/__init__.py")
+WANTED = under(PREFIXES, EXACT)
+SELECTION = hashlib.sha256(repr((PREFIXES, EXACT)).encode()).hexdigest()[:12]
+"""The cache is keyed by what is read: another choice of files is read again."""
 NOT_VLLMS = {"/openapi.json": "FastAPI's own", "/metrics": "prometheus' mounted app"}
 """Routes the daemon calls that no vLLM handler defines; `/metrics` is checked by its names."""
 SCHEDULER_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
@@ -60,9 +61,15 @@ class Handler:
     method: str
     path: str
     file: str
-    names: set[str] = field(default_factory=set)
-    """Its arguments, the string constants in its body, and the fields of its body models."""
+    query: set[str] = field(default_factory=set)
+    """What it reads from the query string: plain arguments, `query_params.get("…")`."""
+    body: set[str] = field(default_factory=set)
+    """What it reads from a JSON body: its body models' fields, `Body()` arguments, `x.get("…")`."""
     doc: str = ""
+    constants: set[str] = field(default_factory=set)
+    """Every string in it (what it answers, among others)."""
+    also: list[str] = field(default_factory=list)
+    """Other files defining the same route (the app's include order decides which serves)."""
 
 
 def daemon_calls(source: str | None = None) -> list[Call]:
@@ -100,6 +107,7 @@ def _keys(node: ast.expr | None) -> tuple[str, ...]:
 
 
 Trees = Mapping[str, ast.Module]
+Function = ast.FunctionDef | ast.AsyncFunctionDef
 Classes = Mapping[str, tuple[set[str], list[str], set[str]]]
 """Each class by name: its annotated fields, its bases' names, its methods."""
 
@@ -167,7 +175,9 @@ def handlers(trees: Trees, known: Classes) -> dict[tuple[str, str], Handler]:
                 continue
             for decorator in node.decorator_list:
                 route = _route(decorator)
-                if route is not None and route not in found:
+                if route is not None and route in found:
+                    found[route].also.append(name)
+                elif route is not None:
                     found[route] = _handler(route, name, node, known)
     return found
 
@@ -185,19 +195,42 @@ def _route(decorator: ast.expr) -> tuple[str, str] | None:
 def _handler(
     route: tuple[str, str],
     file: str,
-    node: ast.FunctionDef | ast.AsyncFunctionDef,
+    node: Function,
     known: Classes,
 ) -> Handler:
     handler = Handler(*route, file, doc=ast.get_docstring(node) or "")
     for arg in node.args.args + node.args.kwonlyargs:
-        handler.names.add(arg.arg)
-        if arg.annotation is not None:
-            for word in re.findall(r"\w+", ast.unparse(arg.annotation)):
-                handler.names |= fields_of(word, known)
+        annotation = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+        default = _default_of(node, arg)
+        models = set().union(*(fields_of(word, known) for word in re.findall(r"\w+", annotation)))
+        if "Body(" in annotation + default:
+            handler.body.add(arg.arg)
+        elif models:
+            handler.body |= models
+        else:
+            handler.query.add(arg.arg)
     for inner in ast.walk(node):
+        read = isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) and inner.args
+        if read and inner.func.attr in ("get", "getlist") and isinstance(inner.args[0], ast.Constant):
+            key = inner.args[0].value
+            from_query = ast.unparse(inner.func.value).endswith("query_params")
+            (handler.query if from_query else handler.body).add(str(key))
+        elif isinstance(inner, ast.Subscript) and isinstance(inner.slice, ast.Constant):
+            handler.body.add(str(inner.slice.value))
         if isinstance(inner, ast.Constant) and isinstance(inner.value, str):
-            handler.names.add(inner.value)
+            handler.constants.add(inner.value)
     return handler
+
+
+def _default_of(node: Function, arg: ast.arg) -> str:
+    """The default's source (`Query(False)`, `Body(...)`), or ""."""
+    positional = node.args.args
+    if arg in positional:
+        offset = len(positional) - len(node.args.defaults)
+        at = positional.index(arg) - offset
+        return ast.unparse(node.args.defaults[at]) if at >= 0 else ""
+    default = node.args.kw_defaults[node.args.kwonlyargs.index(arg)]
+    return ast.unparse(default) if default is not None else ""
 
 
 def check(release: str, sources: Mapping[str, str], calls: list[Call] | None = None) -> list[str]:
@@ -214,20 +247,28 @@ def check(release: str, sources: Mapping[str, str], calls: list[Call] | None = N
         if handler is None:
             problems.append(f"vLLM {release}: no {call.method} {call.path} route {where}")
             continue
-        for name in call.params + call.body:
-            if name not in handler.names:
-                problems.append(
-                    f"vLLM {release}: {call.method} {call.path} ({handler.file}) takes no {name!r} {where}"
-                )
+        if handler.also:
+            problems.append(
+                f"vLLM {release}: {call.method} {call.path} is in {handler.file} and {handler.also} {where}"
+            )
+        for sent, taken, kind in (
+            (call.params, handler.query, "query parameter"),
+            (call.body, handler.body, "JSON key"),
+        ):
+            problems += [
+                f"vLLM {release}: {call.method} {call.path} ({handler.file}) takes no {kind} {name!r} {where}"
+                for name in sent
+                if name not in taken
+            ]
     text = "\n".join(sources.values())
     problems += [f"vLLM {release}: no /metrics gauge {m}" for m in SCHEDULER_METRICS if m not in text]
-    problems += _behaviour(release, routes, text)
+    problems += _behaviour(release, routes, trees, text)
     problems += _pause_modes(release, sources)
     problems += _worker(release, trees, known)
     return problems
 
 
-def _behaviour(release: str, routes: Mapping[tuple[str, str], Handler], text: str) -> list[str]:
+def _behaviour(release: str, routes: Mapping[tuple[str, str], Handler], trees: Trees, text: str) -> list[str]:
     """What the daemon believes each release does (`engine/capabilities.py`), read in its source:
     from which release a `wait`/`abort` pause answers 503, and the KV-cache loan's refusal."""
     problems = []
@@ -239,12 +280,36 @@ def _behaviour(release: str, routes: Mapping[tuple[str, str], Handler], text: st
                 f"vLLM {release}: /pause {'answers' if says else 'no longer answers'} new requests with 503, "
                 f"unlike what the daemon expects (capabilities.PAUSE_REJECTS_FROM)"
             )
-    if "def kv_cache_lent_for_weight_update" in text and capabilities.LOAN_REFUSED not in text:
-        problems.append(
-            f"vLLM {release}: the KV-cache loan's refusal no longer says {capabilities.LOAN_REFUSED!r} "
-            "(capabilities.LOAN_REFUSED)"
-        )
+    if parsed is not None and parsed[:2] >= capabilities.LOAN_FROM:
+        if not _raised_with(trees, "Updating weights layer by layer needs about"):
+            problems.append(
+                f"vLLM {release}: no error raised saying 'Updating weights layer by layer needs about …' "
+                "(capabilities.refused: a refusal would blame the checkpoint)"
+            )
+        if capabilities.LOAN_REFUSED not in text:
+            problems.append(
+                f"vLLM {release}: the loan's refusal no longer says {capabilities.LOAN_REFUSED!r}"
+            )
+        if not re.search(r'"VLLM_RELOAD_MODE".*\n?.*"direct"', text):
+            problems.append(
+                f"vLLM {release}: envs.py has no VLLM_RELOAD_MODE=direct (engine.reload_mode_direct)"
+            )
+        info = routes.get(("GET", "/server_info"))
+        if info is not None and "vllm_env" not in info.body | info.constants:
+            problems.append(f"vLLM {release}: /server_info answers no vllm_env (engine.reload_mode_direct)")
     return problems
+
+
+def _raised_with(trees: Trees, words: str) -> bool:
+    """Some function both holds `words` in a string and raises."""
+    for tree in trees.values():
+        for node in _defs(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                inner = list(ast.walk(node))
+                says = any(isinstance(n, ast.Constant) and words in str(n.value) for n in inner)
+                if says and any(isinstance(n, ast.Raise) for n in inner):
+                    return True
+    return False
 
 
 def _pause_modes(release: str, sources: Mapping[str, str]) -> list[str]:
@@ -295,9 +360,6 @@ def _function(tree: ast.Module | None, cls: str, name: str) -> ast.FunctionDef |
     return None
 
 
-Function = ast.FunctionDef | ast.AsyncFunctionDef
-
-
 def _all_functions(trees: Trees, prefix: str, name: str) -> list[tuple[str, Function]]:
     return [
         (file, node)
@@ -308,7 +370,8 @@ def _all_functions(trees: Trees, prefix: str, name: str) -> list[tuple[str, Func
     ]
 
 
-WHEEL = re.compile(r"vllm-(\d+)\.(\d+)\.(\d+)-cp\d+-abi3-manylinux[^-]*_x86_64\.whl")
+FILE = re.compile(r"vllm-(?P<version>[^-]+)-(?P<tags>.+)\.whl")
+X86 = re.compile(r"cp\d+-abi3-manylinux[^-]*_x86_64")
 
 
 @dataclass(frozen=True)
@@ -319,21 +382,28 @@ class Wheel:
     sha256: str
 
 
-def wheels(http: httpx.Client, index: str = INDEX) -> list[Wheel]:
-    """The x86_64 wheel of every release from the oldest the daemon supports to the newest
-    (pre-releases and yanked files left out)."""
+def wheels(http: httpx.Client, index: str = INDEX) -> tuple[list[Wheel], list[str]]:
+    """The x86_64 wheel of every final release (post-releases included) from the oldest the
+    daemon supports to the newest; and the releases in that range with no such wheel."""
     answer = http.get(index, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
     answer.raise_for_status()
-    found = {}
+    found: dict[Version, Wheel | None] = {}
     for file in answer.json()["files"]:
-        name = WHEEL.fullmatch(file["filename"])
+        name = FILE.fullmatch(file["filename"])
         if name is None or file.get("yanked"):
             continue
-        release = tuple(int(part) for part in name.groups())
-        if release >= capabilities.OLDEST:
-            sha256 = file["hashes"]["sha256"]
-            found[release] = Wheel(".".join(name.groups()), file["url"], file["size"], sha256)
-    return [found[r] for r in sorted(found)]
+        try:
+            version = Version(name["version"])
+        except InvalidVersion:
+            continue
+        if version.is_prerelease or version.is_devrelease or version.release[:3] < capabilities.OLDEST:
+            continue
+        if X86.fullmatch(name["tags"]):
+            found[version] = Wheel(str(version), file["url"], file["size"], file["hashes"]["sha256"])
+        else:
+            found.setdefault(version, None)
+    missing = [str(v) for v, wheel in sorted(found.items()) if wheel is None]
+    return [wheel for _, wheel in sorted(found.items()) if wheel is not None], missing
 
 
 def sources_of(http: httpx.Client, wheel: Wheel, cache: Path = CACHE) -> tuple[dict[str, str], Fetched]:
@@ -343,7 +413,11 @@ def sources_of(http: httpx.Client, wheel: Wheel, cache: Path = CACHE) -> tuple[d
 def main() -> int:
     started, failed = time.perf_counter(), 0
     with httpx.Client(timeout=60, follow_redirects=True) as http:
-        for wheel in wheels(http):
+        found, missing = wheels(http)
+        failed += len(missing)
+        for release in missing:
+            print(f"{release}: FAILS (no x86_64 wheel to read)")
+        for wheel in found:
             sources, fetched = sources_of(http, wheel)
             problems = check(wheel.release, sources)
             failed += bool(problems)

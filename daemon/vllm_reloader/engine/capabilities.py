@@ -38,16 +38,21 @@ PAUSE_REJECTS_FROM = (0, 33)
 """From this release a pause in `wait` or `abort` mode answers new requests with HTTP 503
 (`engine_paused`) until `/resume`; `keep` still queues them."""
 LOAN_REFUSED = "of free device memory, at least"
-"""In vLLM's error when its KV-cache loan refuses a reload (0.34+: "Updating weights layer by
-layer needs about N GiB of free device memory, at least M GiB for the largest layer alone…"),
-raised before any weight is touched: the engine's condition, not the checkpoint's."""
+"""In vLLM's error when its KV-cache loan refuses a reload (0.34+), raised before any weight is
+touched: the engine's condition, not the checkpoint's (`refused` matches the whole sentence)."""
+LOAN_FROM = (0, 34)
+_REFUSAL = re.compile(
+    r"Updating weights layer by layer needs about [\d.]+ GiB " + re.escape(LOAN_REFUSED) + r" [\d.]+ GiB"
+)
 LOAN_REFUSED_FIX = (
-    'leave the reload room: a lower gpu_memory_utilization, or [engine] strategy = "sleep" '
-    "(the KV cache's memory is freed for the load)"
+    "let vLLM borrow the KV cache's memory: drain behind a balancer ([readiness] drain = true pauses "
+    'a drained engine in wait mode, which clears the cache) or set [engine] pause_mode = "wait"; '
+    'or leave room: a lower gpu_memory_utilization, or [engine] strategy = "sleep"'
 )
 PAUSE_REJECTS_FIX = (
-    'set [engine] pause_mode = "keep" (vLLM 0.33+ answers 503 to new requests while paused in '
-    "wait or abort mode), or drain behind a balancer ([readiness] drain = true)"
+    "drain behind a balancer ([readiness] drain = true: out of rotation before its pause), or set "
+    '[engine] pause_mode = "keep" (nothing turned away, but vLLM keeps its KV cache through such a '
+    "pause, so 0.34+ may refuse a reload for want of memory)"
 )
 DIRECT_RELOAD = (
     "VLLM_RELOAD_MODE=direct writes the new weights into the live tensors: a reload that fails "
@@ -95,6 +100,14 @@ def problem(found: Capabilities) -> str | None:
     if parsed is not None and parsed < OLDEST:
         return f"vLLM {found.version} is older than this daemon supports: use a release from {SUPPORTED}"
     return None
+
+
+def refused(error_text: str, hostile: tuple[str, ...] = ()) -> bool:
+    """Whether vLLM refused a reload for want of device memory. The names a writer chose (the
+    checkpoint's path, its files) are taken out first: they could spell the sentence."""
+    for name in sorted(filter(None, hostile), key=len, reverse=True):
+        error_text = error_text.replace(name, "\0")
+    return _REFUSAL.search(error_text) is not None
 
 
 def pause_rejects(found: Capabilities) -> bool:

@@ -95,6 +95,7 @@ class EngineClient:
                 f"{path}: HTTP {response.status_code}: {_error_text(response)}",
                 endpoint=path,
                 status=response.status_code,
+                detail=_error_text(response, 4096),
             )
         if not response.content:
             return None
@@ -326,17 +327,17 @@ class Deadline:
                 socket.socket.shutdown(self._socket, socket.SHUT_RDWR)
 
 
-def _error_text(response: httpx.Response) -> str:
+def _error_text(response: httpx.Response, limit: int = 300) -> str:
     try:
         body = response.json()
     except ValueError:
-        return response.text[:200]
+        return response.text[: min(limit, 200)]
     if isinstance(body, dict):
         error = body.get("error", body.get("detail", body))
         if isinstance(error, dict):
             error = error.get("message", error)
-        return str(error)[:300]
-    return str(body)[:300]
+        return str(error)[:limit]
+    return str(body)[:limit]
 
 
 @dataclass(frozen=True)

@@ -99,11 +99,11 @@ def hot_swap(
         except EngineError as exc:  # a writer at the files makes it no fault of the checkpoint's
             changed = target.changed() is not None
             woken = _wake(client, asleep)
-            # Refused for want of memory (vLLM 0.34+), rank by rank: another rank may have loaded.
-            refused = isinstance(exc, EngineCallFailed) and capabilities.LOAN_REFUSED in str(exc)
-            failed = _restore(client, fallback, str(exc), extension, woken=woken, changed=changed)
-            failed.refused = refused
-            raise failed from exc
+            # Refused for want of memory (vLLM 0.34+) rank by rank: another rank may have loaded.
+            refused = _refused(exc, target)
+            raise _restore(
+                client, fallback, str(exc), extension, woken=woken, changed=changed, refused=refused
+            ) from exc
         if asleep:
             with _timed(timings, "wake"):
                 client.wake_up(("kv_cache",))
@@ -147,6 +147,11 @@ def _wake_all(client: EngineClient, on_failed: Callable[[EngineError], None]) ->
         on_failed(exc)
 
 
+def _refused(exc: EngineError, target: Target) -> bool:
+    text = exc.detail if isinstance(exc, EngineCallFailed) and exc.detail else str(exc)
+    return capabilities.refused(text, (target.path, *(target.files or ())))
+
+
 def _restore(
     client: EngineClient,
     fallback: Target | None,
@@ -155,12 +160,17 @@ def _restore(
     *,
     woken: bool = True,
     changed: bool = False,
+    refused: bool = False,
 ) -> ReloadFailed:
     """The model may now hold a mix of old and new tensors (or, after a sleep, none): load
-    the last good one back, if the engine is awake to take it."""
+    the last good one back, if the engine is awake to take it. After a refusal (`refused`) a
+    restore refused too means no rank touched a weight: each refused one load or the other,
+    and one that took the new weights took the old ones back."""
     if fallback is None or not woken:
         why = "no checkpoint to restore" if fallback is None else "the engine did not wake up"
-        return ReloadFailed(f"{cause}; {why}", restored=False, engine_up=woken, changed=changed)
+        return ReloadFailed(
+            f"{cause}; {why}", restored=False, engine_up=woken, changed=changed, refused=refused
+        )
     try:
         client.reload_weights(fallback.path, extension=extension, files=fallback.files)
         if problem := fallback.changed():
@@ -170,14 +180,27 @@ def _restore(
         client.reset_prefix_cache()
         client.set_weight_version(fallback.version)
     except EngineError as again:
+        if refused and _refused(again, fallback):
+            try:
+                client.set_weight_version(fallback.version)
+            except EngineError:
+                pass  # still marked reloading: the next check reconciles it
+            else:
+                kept = f"{cause}; restoring {fallback.version} was refused too: no rank changed its weights"
+                return ReloadFailed(kept, restored=True, engine_up=True, refused=True)
         return ReloadFailed(
             f"{cause}; restoring {fallback.version} failed too: {again}",
             restored=False,
             engine_up=not isinstance(again, EngineUnavailable),
             changed=changed,
+            refused=refused,
         )
     return ReloadFailed(
-        f"{cause}; restored {fallback.version}", restored=True, engine_up=True, changed=changed
+        f"{cause}; restored {fallback.version}",
+        restored=True,
+        engine_up=True,
+        changed=changed,
+        refused=refused,
     )
 
 

@@ -139,7 +139,6 @@ class Engine:
             strategy=strategy,
             extension=served.extension,
             drain=drain,
-            pause_rejects=served.pause_rejects,
         )
         self.worker.submit(self.in_flight)
 
@@ -195,7 +194,8 @@ class Engine:
         if decision.result == "succeeded" or (decision.reject and decision.reject.check == "canary"):
             self.last_error, self.retry_at_follow = None, 0.0
             return decision
-        reason = decision.reject.reason if decision.reject else decision.result
+        failed = [e.fields.get("reason") for e in decision.events if e.name == "reload.failed"]
+        reason = decision.reject.reason if decision.reject else str(failed[0] if failed else decision.result)
         if self.last_error is None:
             self.follow_backoff = config.retry_initial
         wait = self.follow_backoff
@@ -234,7 +234,7 @@ class Engine:
 
     def learn(
         self,
-        config: EngineConfig,
+        whole: Config,
         root: Path,
         candidates: Mapping[str, order.Candidate],
         learned: setup.Learned,
@@ -245,7 +245,8 @@ class Engine:
         model and layout baseline; returns the weight version it reports and what that is."""
         served, found, version, server = self.served, learned.found, learned.version, learned.server
         setup.untested(found, self.log)
-        served.pause_rejects = setup.per_release(config, found, server, self.log)
+        config = whole.engine
+        setup.per_release(config, whole.readiness.drain, found, server, self.log)
         served.sleep_capable, served.extension = server.sleep_mode, server.extension
         if not server.extension:
             self.log.warning("engine.builtin_loader", reason=BUILTIN_LOADER_RISK, fix=BUILTIN_LOADER_FIX)

@@ -48,8 +48,6 @@ class Job:
     """What the engine serves once this succeeds (its name, step and fingerprint)."""
     drain: Drain | None = None
     """Out of rotation first, back after the canary (or the rollback); None: in place."""
-    pause_rejects: bool = False
-    """vLLM 0.33+: a `wait` pause answers new requests with 503 (`keep` queues them)."""
 
     @property
     def fallback(self) -> Target | None:
@@ -167,10 +165,10 @@ class ReloadWorker:
             return Outcome(job, 0.0, changed=problem)
         # Drained, it pauses once what is still in flight is done (vLLM's count can lag a request
         # that came just before the balancer saw it out): none is held into the new weights.
-        # Not on 0.33+, where `wait` turns away a stray request with 503: `keep` holds it instead.
+        # (From 0.33 a request reaching it after every balancer read it out is answered 503, and
+        # from 0.34 this pause clears the KV cache, which the reload may then borrow.)
         keep = job.client.config.pause_mode == "keep" and drained["in_flight_at_pause"] == 0
-        wait = keep and not job.pause_rejects
-        outcome = self._swap(job, started, pause_mode="wait" if wait else None)
+        outcome = self._swap(job, started, pause_mode="wait" if keep else None)
         return replace(outcome, timings={**drained, **(outcome.timings or {})})
 
     def _swap(self, job: Job, started: float, pause_mode: str | None = None) -> Outcome:

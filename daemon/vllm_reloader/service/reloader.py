@@ -45,8 +45,7 @@ class Reloader:
         clients: Mapping[str, EngineClient] | None = None,
         on_verdict: Callable[[Verdict], None] | None = None,
     ) -> None:
-        """`on_verdict`: told what the canary engine made of each new version, and of each one the
-        gate rejected (a canary host records it for the fleet, `service.fleet`)."""
+        """`on_verdict`: told the canary engine's verdicts and the gate's rejections (`service.fleet`)."""
         self.config = config
         self.on_verdict = on_verdict
         self.log = log.get()
@@ -174,8 +173,10 @@ class Reloader:
             return
         decision = self.recalls.finished(engine.url, outcome.job, outcomes.decide(outcome, now=time.time()))
         follower = engine is not self.canary
-        if follower or decision.refused or decision.result == "succeeded":  # refused: no verdict
-            decision = engine.as_follower(decision, self.config.engine)  # (later, after a backoff)
+        if follower or decision.refused:  # refused for memory: no verdict, the same one again later
+            decision = engine.as_follower(decision, self.config.engine)
+        else:  # the canary engine's verdict came: no retry owed
+            engine.last_error = None
         if follower and (r := decision.reject) is not None:  # its canary failed: all on it go back
             base = order.base_name(r.name)
             self.recalls.add(base, r.version, r.fingerprint, r.reason, self.engines, "canary")
@@ -241,7 +242,7 @@ class Reloader:
         self.catalog.rescan()
         own = engine is self.canary  # the state file is the canary engine's own record
         candidates = self.catalog.candidates
-        version, serving = engine.learn(self.config.engine, self.root, candidates, learned, trusted=own)
+        version, serving = engine.learn(self.config, self.root, candidates, learned, trusted=own)
         self.engines.same_layout(engine)
         restoring = version.startswith(RELOADING_PREFIX)
         if not (restoring and self._restore_after_interrupted_reload(engine, version, serving)):
@@ -302,8 +303,7 @@ class Reloader:
             self.gating = self.gater.submit(best, self.root / best.name, served.baseline, options)
 
     def _converge(self, now: float) -> None:
-        """Bring the followers to the version that passed on the canary engine, as room allows
-        (one place is kept for a verdict waiting to load on the canary engine)."""
+        """Followers to the version that passed on the canary engine, as room allows (one place kept)."""
         want = rollout.wanted(self.served)
         if want is None:
             return

@@ -42,8 +42,6 @@ class Served:
     baseline: layout.Layout | None = None
     sleep_capable: bool = False
     extension: bool = False
-    pause_rejects: bool = False
-    """vLLM 0.33+: a pause in `wait` or `abort` mode answers new requests with 503."""
     reconciled: bool = False
     """False until the daemon learned what the engine serves (and again after it went away)."""
     up: bool = False

@@ -50,12 +50,10 @@ def untested(found: capabilities.Capabilities, logger: Any) -> None:
 
 
 def per_release(
-    config: EngineConfig, found: capabilities.Capabilities, server: ServerConfig, logger: Any
-) -> bool:
-    """Say what this release does that an operator would not expect; returns whether its
-    pauses in `wait` / `abort` mode turn new requests away (503)."""
-    rejects = capabilities.pause_rejects(found)
-    if rejects and config.pause_mode != "keep":
+    config: EngineConfig, drained: bool, found: capabilities.Capabilities, server: ServerConfig, logger: Any
+) -> None:
+    """Say what this release does that an operator would not expect (at every reconcile)."""
+    if capabilities.pause_rejects(found) and config.pause_mode != "keep" and not drained:
         logger.warning(
             "engine.pause_rejects",
             vllm_version=found.version,
@@ -66,7 +64,6 @@ def per_release(
         logger.warning(
             "engine.reload_mode_direct", reason=capabilities.DIRECT_RELOAD, fix=capabilities.DIRECT_RELOAD_FIX
         )
-    return rejects
 
 
 def startup_path(server: ServerConfig, environ: Mapping[str, str] | None = None) -> str:
