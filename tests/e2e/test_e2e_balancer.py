@@ -32,7 +32,8 @@ def _around(run: Run, answer: Answer) -> str:
         for e in run.lines
         if begin <= _at(e) <= end
     ]
-    paused = [p for p in pauses(run.paused[answer.server or ""]) if p.until > begin and p.since < end]
+    seen = [s for server, samples in run.paused.items() if server == answer.server for s in samples]
+    paused = [p for p in pauses(seen) if p.until > begin and p.since < end]
     states = [(round(s.asked - answer.sent, 3), s.value) for s in run.states if begin <= s.asked <= end]
     return f"{answer}\npauses {paused}\nhaproxy {states[::5]}\n" + "\n".join(lines)
 
@@ -64,7 +65,8 @@ def test_e2e_haproxy_sends_no_client_to_a_paused_or_unverified_engine_through_up
 
     answers = run.quiet + run.updates
     assert run.updates and run.quiet, "clients were answered before and through the updates"
-    assert [a for a in answers if a.status != 200] == [], "no request failed"
+    failed = [a for a in answers if a.status != 200]
+    assert failed == [], f"no request failed: {_around(run, failed[0]) if failed else ''}"
     assert len(set(run.good.values())) == 4, f"each good version answers its own way: {run.good}"
     foreign = [a for a in answers if a.text not in run.good.values()]
     assert foreign == [], "an answer from no good version: the failing checkpoint's"

@@ -61,6 +61,10 @@ def haproxy_config(listen: int, engines: Sequence[str], readiness_port: int, sta
         "  timeout client 10m\n  timeout server 10m\n"
         f"frontend api\n  bind 127.0.0.1:{listen}\n  default_backend engines\n"
         "backend engines\n  balance roundrobin\n  option httpchk\n"
+        # vLLM (uvicorn) closes a connection idle for 5 s; an engine out of rotation for a reload
+        # idles longer, and HAProxy reusing such a connection just as it closes drops the client's
+        # request without an answer ("Server disconnected"): retry it on another connection.
+        "  retry-on conn-failure empty-response\n  retries 3\n"
         "  http-check send meth GET uri-lf /ready/%[srv_name]\n  http-check expect status 200\n"
         f"  default-server inter {int(CHECK_INTERVAL * 1000)}ms fall 1 rise 1\n"
         "  http-response set-header X-Served-By %[srv_name]\n" + servers
