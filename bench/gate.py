@@ -145,7 +145,7 @@ def plot_dtypes(results: list[dict[str, object]], path: Path) -> None:
     axes.set_xticks([x + width for x in range(len(dtypes))], dtypes)
     axes.set_ylabel("GB/s (page cache warm)")
     axes.set_title(f"The gate vs hashing and reading the same {gb:g} GB, by dtype")
-    axes.legend(fontsize=8)
+    axes.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3)
     axes.grid(alpha=0.3, axis="y")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
