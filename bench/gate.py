@@ -99,7 +99,8 @@ def _case(
 
 
 def plot(results: list[dict[str, object]], path: Path) -> None:
-    """Seconds vs GB for the gate, `cat` and blake3, one line per shard count."""
+    """Seconds vs GB for the gate, `cat` and blake3, one line per shard count (the first dtype)."""
+    results = [r for r in results if r["dtype"] == results[0]["dtype"]]
     import matplotlib
 
     matplotlib.use("Agg")
