@@ -7,7 +7,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from tests.support.checkpoints import MakeCheckpoint, write_manifest
-from vllm_reloader.checkpoint import gate, scan
+from vllm_reloader.checkpoint import finite, gate, scan
 
 
 def bf16(values: np.ndarray) -> np.ndarray:
@@ -141,3 +141,19 @@ def test_finite_scan_agrees_with_the_bit_definition_on_every_kind_of_word(dtype)
         data = bytearray(offset) + bytearray(raw.tobytes()) + bytearray(size - 1)  # a partial element after
         expected = non_finite_by_bits([int(w) for w in raw], dtype)
         assert finite.holds_non_finite(data, offset, len(data), dtype) == expected, (raw, dtype)
+
+
+@pytest.mark.parametrize("dtype", sorted(finite.DTYPES))
+def test_finite_scan_finds_a_non_finite_word_on_either_side_of_every_piece_boundary(dtype):
+    bits = finite.DTYPES[dtype]
+    size = bits.word.itemsize
+    count = 3 * finite.PIECE // size + 5  # three whole pieces and part of a fourth
+    data = bytearray(count * size)
+    assert not finite.holds_non_finite(data, 0, len(data), dtype)
+    nan = int(bits.limit).to_bytes(size, "little")
+    for index in (0, finite.PIECE // size - 1, finite.PIECE // size, 2 * finite.PIECE // size, count - 1):
+        marked = bytearray(data)
+        marked[index * size : (index + 1) * size] = nan
+        assert finite.holds_non_finite(marked, 0, len(marked), dtype), (dtype, index)
+        assert not finite.holds_non_finite(marked, (index + 1) * size, len(marked), dtype)  # after it
+        assert not finite.holds_non_finite(marked, 0, index * size, dtype)  # before it

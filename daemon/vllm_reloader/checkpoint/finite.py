@@ -8,8 +8,9 @@ through masked attention (0 * NaN is NaN). So NaN never reaches the engine.
 A float is NaN or Inf exactly when its exponent bits are all ones: with the sign bit
 cleared, its bits as an unsigned word are then at least the exponent mask. So each chunk is
 read as little-endian words (no float conversion, no copy), masked into a reused buffer and
-reduced to its maximum: two passes at memory speed, and numpy lets go of the GIL for both,
-so the scanning threads run beside the hashing ones.
+reduced to its maximum, a piece of `PIECE` bytes at a time: both passes then run in the
+core's cache instead of memory (0.54 against 0.91 ms per 8 MB here), and numpy lets go of
+the GIL for both, so the scanning threads run beside the hashing ones.
 """
 
 from __future__ import annotations
@@ -38,16 +39,17 @@ DTYPES = {
     "F8_E4M3": _Bits(np.dtype("u1"), 0x7F, 0x7F),  # the "fn" variant: no Inf, NaN is S.1111.111
 }
 
+PIECE = 256 << 10
+"""Bytes masked and reduced at a time: small enough to stay in a core's L2 cache."""
 _scratch = threading.local()
 
 
-def _masked(count: int, word: np.dtype[np.unsignedinteger]) -> np.ndarray:
-    """A reused buffer per scanning thread (a chunk's worth), viewed as `count` words."""
-    nbytes = count * word.itemsize
+def _masked(word: np.dtype[np.unsignedinteger]) -> np.ndarray:
+    """A reused buffer per scanning thread (a piece's worth), viewed as words."""
     found: np.ndarray | None = getattr(_scratch, "buffer", None)
-    if found is None or found.nbytes < nbytes:
-        found = _scratch.buffer = np.empty(nbytes, np.uint8)
-    return found[:nbytes].view(word)
+    if found is None:
+        found = _scratch.buffer = np.empty(PIECE, np.uint8)
+    return found.view(word)
 
 
 def element_bytes(dtype: str) -> int:
@@ -63,6 +65,12 @@ def holds_non_finite(data: bytearray, start: int, end: int, dtype: str) -> bool:
     if bits is None or (count := (end - start) // bits.word.itemsize) == 0:
         return False
     words = np.frombuffer(data, dtype=bits.word, count=count, offset=start)
-    masked = _masked(count, bits.word)
-    np.bitwise_and(words, bits.word.type(bits.magnitude), out=masked)
-    return bool(masked.max() >= bits.limit)
+    masked, magnitude = _masked(bits.word), bits.word.type(bits.magnitude)
+    step = len(masked)
+    for at in range(0, count, step):
+        piece = words[at : at + step]
+        out = masked[: len(piece)]
+        np.bitwise_and(piece, magnitude, out=out)
+        if out.max() >= bits.limit:
+            return True
+    return False
