@@ -3,7 +3,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.fake_engine import FakeEngine, error, unreachable
+from tests.support.fake_engine import REFUSED, FakeEngine, error, unreachable
 from vllm_reloader.checkpoint.files import identity
 from vllm_reloader.config import EngineConfig
 from vllm_reloader.engine.client import EXTENSION_METHOD, RELOADING_PREFIX, EngineClient, ServerConfig
@@ -47,13 +47,6 @@ def test_engine_swap_restores_last_good_and_resumes_when_reload_fails():
     assert engine.loaded == "/root/step-1"
     assert engine.version == "step-1"
     assert engine.calls[-1] == "/resume" and not engine.paused
-
-
-REFUSED = (
-    "RuntimeError: Updating weights layer by layer needs about 3.10 GiB of free device memory, at "
-    "least 1.55 GiB for the largest layer alone, but only 0.80 GiB is free beside the extensible KV cache."
-)
-"""vLLM 0.34's KV-cache loan refusing a reload (vllm/v1/worker/extensible_kv_cache.py)."""
 
 
 def test_engine_swap_marks_a_refused_load_as_the_engines_condition_and_restores():

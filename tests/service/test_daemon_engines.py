@@ -12,7 +12,7 @@ import pytest
 from tests.support.checkpoints import TENSORS
 from tests.support.daemon_fixtures import ENGINE_URL, follower_url
 from tests.support.engine_fixtures import DaemonProcess, daemon_config
-from tests.support.fake_engine import FakeEngine, FakeEngineServer, error
+from tests.support.fake_engine import REFUSED, FakeEngine, FakeEngineServer, error
 from vllm_reloader.service import control, status
 
 
@@ -295,8 +295,6 @@ def test_engines_a_follower_trickling_its_answers_holds_neither_the_canary_engin
 def test_engines_retry_a_load_refused_for_memory_on_the_canary_engine_and_blame_no_checkpoint(
     start, root, make_checkpoint
 ):
-    from tests.engine.test_swap import REFUSED
-
     first, second = two_engines(root, make_checkpoint)
     first.fail[f"reload:{root / 'step-2'}"] = error(500, REFUSED)
     running = start(first, followers=[second])

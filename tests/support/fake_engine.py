@@ -16,6 +16,12 @@ from vllm_reloader.checkpoint.files import changed
 from vllm_reloader.config import EngineConfig
 from vllm_reloader.engine.client import EXTENSION, EXTENSION_METHOD, EngineClient
 
+REFUSED = (
+    "RuntimeError: Updating weights layer by layer needs about 3.10 GiB of free device memory, at "
+    "least 1.55 GiB for the largest layer alone, but only 0.80 GiB is free beside the extensible KV cache."
+)
+"""vLLM 0.34's KV-cache loan refusing a reload (vllm/v1/worker/extensible_kv_cache.py)."""
+
 
 class FakeEngine:
     def __init__(self, startup: str = "/models/startup") -> None:

@@ -91,11 +91,12 @@ class EngineClient:
     def _call(self, method: str, path: str, *, timeout: float | None = None, **kwargs: Any) -> Any:
         response = self._exchange(method, path, timeout or self.config.timeout, **kwargs)
         if response.status_code >= 400:
+            detail = _error_text(response, 4096)  # parsed once; the message keeps 300 characters
             raise EngineCallFailed(
-                f"{path}: HTTP {response.status_code}: {_error_text(response)}",
+                f"{path}: HTTP {response.status_code}: {detail[:300]}",
                 endpoint=path,
                 status=response.status_code,
-                detail=_error_text(response, 4096),
+                detail=detail,
             )
         if not response.content:
             return None
@@ -327,7 +328,7 @@ class Deadline:
                 socket.socket.shutdown(self._socket, socket.SHUT_RDWR)
 
 
-def _error_text(response: httpx.Response, limit: int = 300) -> str:
+def _error_text(response: httpx.Response, limit: int) -> str:
     try:
         body = response.json()
     except ValueError:
