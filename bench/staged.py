@@ -5,7 +5,7 @@ last — as a trainer writes one. The daemon reads each shard once its writer cl
 Measured by the daemon itself (`detect_ms` of `reload.started`: manifest written → reload
 call), against a warm `cat` of the whole checkpoint in the same run, and against the same
 checkpoint appearing all at once (renamed in whole, page cache warm: nothing read before;
-from the rename to `reload.started`'s timestamp).
+from the rename to `reload.started`'s timestamp), and published by `vllm-reloader publish`.
 The scripted engine answers at once, so only the daemon's share is measured.
 
     .venv/bin/python bench/staged.py [--gb 1,8,16 --shards 8 --pace-mb-s 0 --dtypes BF16]
@@ -48,6 +48,8 @@ def _case(gb: float, shards: int, pace_mb_s: float, dtype: str = "BF16") -> dict
     from tests.support.engine_fixtures import DaemonProcess, daemon_config
     from tests.support.fake_engine import FakeEngine, FakeEngineServer
 
+    from vllm_reloader.tools.publish import publish
+
     with tempfile.TemporaryDirectory(prefix="vllm-reloader-bench-") as scratch:
         base = Path(scratch)
         staging, root = base / "staging", base / "root"
@@ -83,16 +85,23 @@ def _case(gb: float, shards: int, pace_mb_s: float, dtype: str = "BF16") -> dict
             renamed = time.time()  # complete from here: its manifest was written before the warm-up
             os.rename(base / "whole", root / "step-3")
             whole = daemon.wait_for("reload.started", version="step-3", timeout=600)
+            # Published: `vllm-reloader publish` copies the shards in (each read as it closes,
+            # while the rest are copied and synced), then its manifest and the rename.
+            publish(staging, root, step=4)
+            published = daemon.wait_for("reload.started", version="step-4", timeout=600)
         finally:
             daemon.stop()
             server.close()
     staged_s = float(staged["detect_ms"]) / 1000  # type: ignore[arg-type]
     whole_s = datetime.fromisoformat(str(whole["timestamp"])).timestamp() - renamed
+    published_s = float(published["detect_ms"]) / 1000  # type: ignore[arg-type]
     return {
         "benchmark": "staged", "gb": gb, "shards": shards, "dtype": dtype, "pace_mb_s": pace_mb_s or None,
         "staged_complete_to_reload_s": round(staged_s, 3), "cached_bytes": ready.get("cached_bytes"),
         "whole_complete_to_reload_s": round(whole_s, 3), "cat_s": round(cat_s, 3),
+        "published_complete_to_reload_s": round(published_s, 3),
         "ratio": round(staged_s / cat_s, 3), "ratio_whole": round(whole_s / cat_s, 3),
+        "ratio_published": round(published_s / cat_s, 3),
     }  # fmt: skip
 
 

@@ -46,7 +46,7 @@ def test_bench_quick_run_writes_every_benchmark_with_its_ratio(tmp_path):
     (responsive,) = by_name["responsive"]
     _measured(responsive, "status_answers_during_gate", "watchdog_pings_during_gate")
     (staged,) = by_name["staged"]
-    _measured(staged, "ratio", "ratio_whole")
+    _measured(staged, "ratio", "ratio_whole", "ratio_published")
     assert staged["cached_bytes"] is not None
     table = result.stdout.splitlines()
     for name in by_name:  # the table on stdout: one line per row, each with its ratio

@@ -355,3 +355,22 @@ def test_daemon_reads_shards_while_the_checkpoint_is_written_not_again_after(
     shards = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     assert ready["cached_bytes"] == shards
     running.wait_for("reload.succeeded", path=str(root / "step-2"))
+
+
+@pytest.mark.parametrize("move", [False, True])
+def test_daemon_reads_the_shards_publish_places_before_its_manifest_not_again_after(
+    start, root, tmp_path, make_checkpoint, move
+):
+    """`publish` closes each copy before syncing them all (a `--move` renames them in): the
+    daemon has read every shard by the time the rename makes the checkpoint appear."""
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    running = start(engine)
+    running.wait_for("engine.reconciled")
+    src = make_checkpoint("src", step=2, root=tmp_path / "trainer", seed=2, shards=3)
+    (src / "manifest.json").unlink()
+    shards = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    publish(src, root, step=2, move=move)
+    ready = running.wait_for("checkpoint.ready", name="step-2")
+    assert ready["cached_bytes"] == shards
+    running.wait_for("reload.succeeded", path=str(root / "step-2"))

@@ -169,10 +169,10 @@ class _Enqueue(FileSystemEventHandler):
     def on_any_event(self, event: FileSystemEvent) -> None:
         if event.event_type in ("opened", "closed_no_write"):
             return
-        if event.event_type == "closed" and self.written is not None:
-            closed = os.fsdecode(event.src_path)
-            if written_shard(self.root, closed, self.ignore):
-                self.written(closed)
+        if event.event_type in ("closed", "moved") and self.written is not None:
+            placed = os.fsdecode(event.dest_path or event.src_path)  # `publish --move` renames shards in
+            if written_shard(self.root, placed, self.ignore):
+                self.written(placed)
         for path in (event.src_path, event.dest_path):
             if path and (name := candidate_name(self.root, os.fsdecode(path), self.ignore)):
                 self.notify(name)

@@ -3,9 +3,10 @@ and never destroy what this publish did not create. Into an object store: `tools
 
 Into a local root (`publish`): the publish that creates `ROOT/.incoming-NAME/` (a plain mkdir:
 it fails if the directory exists) owns it, and only it ever removes it; one that finds it there
-fails and touches nothing. Files go there (ignored by the daemon), each fsynced; the manifest is
-written last and fsynced; then one rename makes `ROOT/NAME` appear, and ROOT is fsynced so the
-rename survives a crash. A failure puts `--move`d files back and removes the incoming directory.
+fails and touches nothing. Files go there (no candidate: a watching daemon only reads each
+shard as it is closed or moved in), then each is fsynced; the manifest is written last and
+fsynced; then one rename makes `ROOT/NAME` appear, and ROOT is fsynced so the rename survives
+a crash. A failure puts `--move`d files back and removes the incoming directory.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import errno
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import blake3
 
@@ -22,9 +22,6 @@ from ..checkpoint.files import is_top_level_shard
 from ..checkpoint.manifest import MANIFEST_NAME, Manifest, ManifestFile, dumps
 from ..durable import fsync_dir, write_synced
 from ..errors import PublishError
-
-if TYPE_CHECKING:
-    pass
 
 COPY_CHUNK = 8 << 20
 OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt")
@@ -68,16 +65,26 @@ def _hash_and_sync(path: Path) -> tuple[str, int]:
 
 
 def _copy_and_hash(src: Path, dst: Path) -> tuple[str, int]:
-    """Copy one file, fsync it, and return its blake3 and size from the same pass over the bytes."""
+    """Copy one file and return its blake3 and size from the same pass over the bytes. It is
+    closed unsynced (see `_sync`): the close is what tells a watching daemon to read it."""
     hasher, size = blake3.blake3(), 0
     with src.open("rb") as fin, dst.open("wb") as fout:
         while chunk := fin.read(COPY_CHUNK):
             hasher.update(chunk)
             fout.write(chunk)
             size += len(chunk)
-        fout.flush()
-        os.fsync(fout.fileno())
     return str(hasher.hexdigest()), size
+
+
+def _sync(path: Path) -> None:
+    """fsync a closed file (Linux syncs a file's dirty pages through any descriptor). Done
+    after every copy closed, the daemon verifies each shard while the disk takes the lot:
+    syncing before the close made a 1 GB shard's whole hash wait for the manifest."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _renamed(src: Path, dst: Path) -> bool:
@@ -142,6 +149,8 @@ def publish(
                 digest, size = _copy_and_hash(path, dst)
                 copied.append(path)
             entries.append(ManifestFile(path=relative, size=size, blake3=digest))
+        for path in copied:
+            _sync(incoming / path.relative_to(src))
         manifest = Manifest(format_version=1, version=name, step=step, files=tuple(entries))
         write_synced(incoming / MANIFEST_NAME, dumps(manifest))
         for directory in {(incoming / e.path).parent for e in entries}:
