@@ -167,3 +167,30 @@ def test_config_empty_path_is_an_error_not_the_current_directory():
 def test_config_path_holding_a_nul_is_a_config_error_not_a_crash(key):
     with pytest.raises(ConfigError, match=r"must not hold a NUL character"):
         config.parse(MINIMAL.replace(f'"{key}"', f'"{key}\\u0000x"'))
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        (
+            'converter = ["/no/such/convert", "{input}", "{output}"]',
+            "'/no/such/convert' is not an executable",
+        ),
+        ('converter = ["/bin/true", "{input}"]', "no {output} argument"),
+        ('converter = "/bin/true {input} {output}"', "source.converter"),
+    ],
+)
+def test_config_converter_mistakes_are_one_line_errors(lines, message):
+    text = MINIMAL.replace('path = "/srv/checkpoints"', f'path = "/srv/checkpoints"\n{lines}')
+    with pytest.raises(ConfigError) as error:
+        config.parse(text, "x.toml")
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_config_converter_runs_on_a_local_root_only():
+    text = MINIMAL.replace('"/srv/checkpoints"', '"s3://bucket/runs"\nconverter = ["/bin/true", "{output}"]')
+    with pytest.raises(ConfigError, match="converter: works on a local root only"):
+        config.parse(text, "x.toml")
+    assert config.parse(
+        MINIMAL.replace('"/srv/checkpoints"', '"/srv/c"\nconverter = ["/bin/true", "{output}"]')
+    )

@@ -20,10 +20,20 @@ from vllm_reloader.checkpoint.conventions import Convention
 from vllm_reloader.checkpoint.files import INDEX_NAME
 
 AUTO = gate.GateOptions(convention=Convention(manifest_grace=10))
+CONVERTING = gate.GateOptions(convention=Convention(manifest_grace=10, converter=True))
 
 
-def judge(directory: Path, now: float | None = None) -> gate.Verdict:
-    return gate.check(directory, serving=None, options=AUTO, now=now)
+def judge(directory: Path, now: float | None = None, options: gate.GateOptions = AUTO) -> gate.Verdict:
+    return gate.check(directory, serving=None, options=options, now=now)
+
+
+def converts(directory: Path) -> str | None:
+    """What a converter would be run on as (`details["convert"]`), None while not whole."""
+    verdict = judge(directory, options=CONVERTING)
+    assert verdict.status == "pending", verdict
+    convert = verdict.details.get("convert")
+    assert (convert is None) == ("being converted" not in verdict.reason), verdict.reason
+    return None if convert is None else str(convert)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +96,8 @@ def test_torch_dcp_checkpoint_says_vllm_cannot_read_it_before_and_after_its_meta
     assert "HuggingFaceStorageWriter" in complete.reason
     (out / ".metadata").unlink()
     writing = judge(out)
-    assert writing.status == "pending" and ".metadata comes last" in writing.reason
+    assert writing.status == "pending" and "whole once .metadata is renamed in" in writing.reason
+    assert "set [source] converter" in complete.reason and "set [source] converter" in writing.reason
 
 
 @pytest.mark.parametrize(
@@ -107,3 +118,86 @@ def test_trainer_formats_vllm_cannot_read_wait_saying_how_to_convert(
             (tmp_path / name).write_bytes(b"\0" * 64)
     verdict = judge(tmp_path, now=time.time() + 3600)
     assert verdict.status == "pending" and said in verdict.reason
+
+
+def test_torch_dcp_checkpoint_goes_to_the_converter_once_its_metadata_is_renamed_in(tmp_path: Path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    out = tmp_path / "step-3"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"w": torch.ones(4, 4)}, checkpoint_id=str(out))
+    assert converts(out) == "torch-dcp"
+    whole = judge(out, options=CONVERTING).fingerprint
+    metadata = (out / ".metadata").read_bytes()
+    (out / ".metadata").unlink()  # the state before FileSystemWriter's last rename
+    assert converts(out) is None
+    (out / ".metadata").write_bytes(metadata)
+    assert converts(out) == "torch-dcp"
+    assert judge(out, options=CONVERTING).fingerprint not in ("", whole), "rewritten: other content"
+
+
+def _files(directory: Path, *names: str) -> Path:
+    for name in names:
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_bytes(b"\0" * 64)
+    return directory
+
+
+def test_deepspeed_checkpoint_is_whole_once_latest_names_it(tmp_path: Path):
+    """DeepSpeed's order: `global_stepN/` (model states, then each rank's ZeRO partition),
+    then the tag into `<save_dir>/latest`, then zero_to_fp32.py beside it."""
+    step = _files(tmp_path / "global_step20", "mp_rank_00_model_states.pt")
+    assert converts(step) is None
+    _files(step, "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    assert converts(step) is None
+    (tmp_path / "latest").write_text("global_step10")  # the save before: not this one
+    assert converts(step) is None
+    assert "whole once latest names it" in judge(step).reason
+    (tmp_path / "latest").write_text("global_step20")
+    assert converts(step) == "deepspeed"
+
+
+def test_megatron_torch_dist_is_whole_with_its_metadata_json_and_the_tracker_naming_it(tmp_path: Path):
+    """Megatron's order: `iter_N/` DCP files and `.metadata`, `common.pt`, `metadata.json`
+    last in the folder, then the iteration into `latest_checkpointed_iteration.txt`."""
+    tracker = tmp_path / "latest_checkpointed_iteration.txt"
+    tracker.write_text("50")
+    step = _files(tmp_path / "iter_0000100", "__0_0.distcp", "__1_0.distcp", ".metadata", "common.pt")
+    assert converts(step) is None
+    assert "Megatron torch DCP" in judge(step).reason
+    _files(step, "metadata.json")
+    assert converts(step) is None, "the tracker still names the iteration before"
+    tracker.write_text("100\n")
+    assert converts(step) == "megatron"
+    tracker.unlink()  # a root without a tracker: metadata.json is the last file
+    assert converts(step) == "megatron"
+
+
+def test_megatron_legacy_layout_waits_for_its_tracker_not_as_an_empty_checkpoint(tmp_path: Path):
+    step = _files(tmp_path / "iter_0000200", "mp_rank_00/model_optim_rng.pt", "mp_rank_01/model_optim_rng.pt")
+    assert "Megatron legacy" in judge(step).reason
+    assert converts(step) is None
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("200")
+    assert converts(step) == "megatron"
+
+
+@pytest.mark.parametrize("odd", ["fifo", "symlink", "directory", "huge", "binary"])
+def test_a_tracker_that_is_not_a_small_regular_file_names_nothing_and_stops_nothing(tmp_path: Path, odd: str):
+    import os
+
+    step = _files(tmp_path / "global_step5", "mp_rank_00_model_states.pt")
+    tracker = tmp_path / "latest"
+    if odd == "fifo":
+        os.mkfifo(tracker)  # opening it for reading would block: it is never opened
+    elif odd == "symlink":
+        (tmp_path / "elsewhere").write_text("global_step5")
+        tracker.symlink_to(tmp_path / "elsewhere")
+    elif odd == "directory":
+        tracker.mkdir()
+    elif odd == "huge":
+        tracker.write_bytes(b"global_step5" + b" " * (1 << 20))
+    else:
+        tracker.write_bytes(b"\xff\xfe global_step5 \0")
+    assert converts(step) is None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -192,4 +194,51 @@ def test_e2e_two_rank_dcp_save_in_hf_format_is_served_like_a_fresh_engine(world:
     finally:
         assert daemon.stop() == 0
         world.serving = world.engine.weight_version()  # from outside the world's root
+        world.start_daemon()
+
+
+def test_e2e_two_rank_dcp_save_is_converted_by_the_configured_converter_and_served(
+    world: World, tmp_path: Path
+):
+    """Two gloo ranks save with DCP's own FileSystemWriter (`.distcp`, `.metadata` last),
+    which vLLM cannot read, into the watched root; `[source] converter` runs the shipped
+    deploy/converters/dcp_to_safetensors.py on it once whole. The engine serves the output
+    and answers as the freshly started engine did; a DCP checkpoint the converter fails on
+    is rejected with its last line, and the engine serves on."""
+    assert world.daemon.stop() == 0
+    root = tmp_path / "dcp"
+    script = Path(__file__).parents[2] / "deploy" / "converters" / "dcp_to_safetensors.py"
+    argv = json.dumps([sys.executable, str(script), "{input}", "{output}"])
+    config = daemon_config(
+        tmp_path / "d.toml", root=root, engine_url=world.engine.url, state_dir=tmp_path / "s",
+        source_extra=f"converter = {argv}\n",
+    )  # fmt: skip
+    daemon = DaemonProcess(config)
+    try:
+        daemon.wait_for("engine.reconciled")
+        for name, seed in (("step-30", "seed-2"), ("step-40", "seed-1")):
+            ranks = [
+                sys.executable,
+                "-m",
+                "tests.support.dcp_run",
+                str(world.staging / seed),
+                str(root / name),
+                "plain",
+            ]
+            run = subprocess.run(ranks, capture_output=True, text=True, timeout=300)
+            assert run.returncode == 0, run.stderr[-3000:]
+            placed = daemon.wait_for("checkpoint.converted", name=name, timeout=120)["placed"]
+            daemon.wait_for("reload.succeeded", path=str(root / placed), timeout=120)
+            assert (world.engine.complete() == world.fresh_a) == (seed == "seed-1")
+        broken = root / "step-50"
+        shutil.copytree(root / "step-40", broken)
+        (broken / "__0_0.distcp").write_bytes(b"not what .metadata describes")
+        rejected = daemon.wait_for("checkpoint.rejected", name="step-50", timeout=120)
+        assert rejected["check"] == "converter" and "exited with status 1" in rejected["reason"]
+        assert world.engine.complete() == world.fresh_a
+        assert [e["version"] for e in daemon.events("reload.started")] == ["step-30", "step-40"]
+        assert not daemon.events("reload.failed")
+    finally:
+        assert daemon.stop() == 0
+        world.serving = world.engine.weight_version()
         world.start_daemon()

@@ -105,3 +105,16 @@ def test_paths_object_store_default_cache_that_is_a_file_is_refused(tmp_path):
     cfg = remote(tmp_path)
     (tmp_path / "state" / "cache").write_text("not a directory")
     assert refused(cfg).startswith(f"state.cache_dir {tmp_path / 'state' / 'cache'}: cannot make ")
+
+
+def test_paths_a_root_the_daemon_cannot_write_is_refused_when_a_converter_places_output_there(
+    tmp_path, monkeypatch
+):
+    cfg = local(tmp_path)
+    source = config.SourceConfig(path=str(tmp_path / "root"), converter=("/bin/true", "{output}"))
+    cfg = cfg.model_copy(update={"source": source})
+    paths.check(cfg)
+    deny(monkeypatch, tmp_path / "root", os.W_OK)
+    said = refused(cfg)
+    assert said.startswith(f"source.path {tmp_path / 'root'}: not writable by this user (uid ")
+    assert "[source] converter places its output there; systemd: ReadWritePaths=" in said

@@ -187,9 +187,16 @@ class DaemonProcess:
 
 
 def daemon_config(
-    path: Path, *, root: Path, engine_url: str | list[str], state_dir: Path, engine_extra: str = ""
+    path: Path,
+    *,
+    root: Path,
+    engine_url: str | list[str],
+    state_dir: Path,
+    engine_extra: str = "",
+    source_extra: str = "",
 ) -> Path:
-    """`engine_url`: one engine, or a list of several (`urls`); `engine_extra`: more `[engine]` lines.
+    """`engine_url`: one engine, or a list of several (`urls`); `engine_extra`, `source_extra`:
+    more `[engine]`, `[source]` lines.
     The root and the state dir are made here, as an operator would: the daemon never makes them."""
     root.mkdir(parents=True, exist_ok=True)
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -199,7 +206,7 @@ def daemon_config(
         else "urls = [" + ", ".join(f'"{url}"' for url in engine_url) + "]"
     )
     path.write_text(
-        f'[source]\npath = "{root}"\npending_recheck_interval = 0.2\n'
+        f'[source]\npath = "{root}"\npending_recheck_interval = 0.2\n{source_extra}'
         f"[engine]\n{engines}\nretry_initial = 0.2\nretry_max = 2.0\n{engine_extra}"
         f'[state]\ndir = "{state_dir}"\n[log]\nformat = "json"\n'
     )

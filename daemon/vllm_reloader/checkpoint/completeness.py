@@ -46,7 +46,10 @@ from ..errors import LayoutUnreadable, ManifestInvalid, NotJSONYet
 from . import order
 from .conventions import (
     CONTENT_METADATA,
+    MEGATRON_LEGACY_FILE,
+    TRACKERS,
     Convention,
+    foreign,
     resolved,
     signal_name,
     waiting_reason,
@@ -117,6 +120,12 @@ class Incomplete:
     fingerprint: str = ""
     check: str = "manifest"
     """For `rejected`: which gate check failed (the metric's label)."""
+    convert: str = ""
+    """`pending` on a trainer's own format that is whole: the format a converter takes."""
+
+    @property
+    def details(self) -> dict[str, object]:
+        return {"convert": self.convert} if self.convert else {}
 
 
 def fingerprint_of(data: bytes) -> str:
@@ -173,7 +182,7 @@ def describe(listing: Listing, convention: Convention, now: float) -> Listed | I
     if concrete.mode == "hf-index":
         weights = _hf_weights(listing, concrete, now, fp)
     elif concrete.mode == "auto":
-        weights = Incomplete("pending", waiting_reason(listing.top()), fp)
+        return _foreign(listing, convention) or Incomplete("pending", waiting_reason(listing.top()), fp)
     elif any(name in listing.top() for name in concrete.markers):
         # The marker says "judge now"; an index still says which shards (a copy may bring the
         # marker before the last shard).
@@ -184,6 +193,25 @@ def describe(listing: Listing, convention: Convention, now: float) -> Listed | I
     if isinstance(weights, Incomplete):
         return weights
     return _from_headers(listing, concrete, weights, fp)
+
+
+def _foreign(listing: Listing, convention: Convention) -> Incomplete | None:
+    """A trainer's own format (`conventions.foreign`): pending, with `convert` once it is whole.
+    Its content: every file's name, size and time, and the root's trackers."""
+    beside = listing.beside() if isinstance(listing, DirectoryListing) else None
+    name, trackers = beside or ("", {})
+    legacy = listing.entry(MEGATRON_LEGACY_FILE) is not None
+    found = foreign(name, listing.top(), trackers=trackers, legacy=legacy, converter=convention.converter)
+    if found is None:
+        return None
+    files = {
+        **listing.top(),
+        **({MEGATRON_LEGACY_FILE: listing.entry(MEGATRON_LEGACY_FILE)} if legacy else {}),
+    }
+    parts = [f"{n}\0{e.size}\0{e.mtime!r}" for n, e in sorted(files.items()) if e is not None]
+    parts += [f"{n}\0{text}" for n, text in sorted(trackers.items())]
+    fp = fingerprint_of("\n".join(parts).encode())
+    return Incomplete("pending", found.reason, fp, convert=found.format if found.complete else "")
 
 
 def _from_manifest(listing: Listing, convention: Convention, now: float) -> Listed | Incomplete:
@@ -318,6 +346,16 @@ class DirectoryListing:
             return size_from_header(name, lambda start, end: os.pread(fd, end - start, start), size)
         finally:
             os.close(fd)
+
+    def beside(self) -> tuple[str, dict[str, str]]:
+        """Its name, and the trainers' tracker files in the root beside it (regular, small)."""
+        trackers = {}
+        for tracker in TRACKERS:
+            try:
+                trackers[tracker] = read_small(self.directory.parent / tracker, 4096).decode(errors="replace")
+            except (OSError, ValueError):
+                continue  # not there, not a regular file, too long: no tracker
+        return self.directory.name, trackers
 
     def last_change(self) -> float:
         times = [self.directory.stat().st_mtime]

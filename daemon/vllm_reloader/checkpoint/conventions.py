@@ -7,7 +7,7 @@ the files show (see `completeness`'s docstring for what each one requires).
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -40,6 +40,8 @@ class Convention:
     settle_seconds: float = 30.0
     manifest_grace: float = 10.0
     """How long an unparsable manifest or index may be mid-write before it is rejected."""
+    converter: bool = False
+    """A converter command is configured: a trainer's own format, once whole, is converted."""
 
     def with_mode(self, mode: Mode) -> Convention:
         return replace(self, mode=mode)
@@ -108,28 +110,96 @@ RANK_SHARD = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors")
 PUBLISH = "publish the output with `vllm-reloader publish` (docs/trainers.md)"
 DEEPSPEED_PREFIXES = ("mp_rank_", "zero_pp_rank_", "bf16_zero_pp_rank_")
 """DeepSpeed's `global_stepN/` files: model states and ZeRO optimizer partitions."""
-CONVERTING = f"convert it to safetensors and {PUBLISH}"
+DEEPSPEED_TRACKER = "latest"
+"""DeepSpeed writes the tag of the checkpoint it finished into `<save_dir>/latest`, last."""
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+"""Megatron writes the iteration it finished into `<save_dir>/<this>`, after `iter_N/`."""
+MEGATRON_METADATA = "metadata.json"
+"""Megatron's `torch_dist` format writes it into `iter_N/` after the DCP files."""
+MEGATRON_LEGACY_FILE = "mp_rank_00/model_optim_rng.pt"
+"""Megatron's legacy format: one `mp_rank_XX/` folder of pickled state per model-parallel rank."""
+TRACKERS = (DEEPSPEED_TRACKER, MEGATRON_TRACKER)
+_ITERATION = re.compile(r"iter_0*(\d+)")
 
 
-def foreign_format(names: Collection[str]) -> str | None:
-    """A trainer's own format, which vLLM cannot read: what it is, and what to do instead."""
-    if any(name.endswith(".distcp") for name in names):
-        state = "complete" if DCP_METADATA in names else "being written: .metadata comes last"
-        megatron = "Megatron " if "metadata.json" in names else ""
-        return (
-            f"a {megatron}torch DCP checkpoint ({state}), which vLLM cannot read: save with "
-            f"HuggingFaceStorageWriter (TorchTitan: checkpoint.last_save_in_hf), or {CONVERTING}"
+@dataclass(frozen=True)
+class Foreign:
+    """A trainer's own format, which vLLM cannot read."""
+
+    format: Literal["torch-dcp", "megatron", "deepspeed", "hf-per-rank"]
+    complete: bool
+    """Whole by its trainer's own rule: a converter may run on it."""
+    reason: str
+    """What it is and what to do, as a pending checkpoint's one line."""
+
+
+def _tracked(name: str, trackers: Mapping[str, str], tracker: str) -> bool | None:
+    """Does the root's tracker name this checkpoint? None: there is no such tracker."""
+    value = trackers.get(tracker)
+    if value is None:
+        return None
+    if tracker == DEEPSPEED_TRACKER:
+        return value.strip() == name
+    found = _ITERATION.fullmatch(name)
+    return found is not None and value.strip().isdigit() and int(value) == int(found[1])
+
+
+def _said(kind: str, complete: bool, state: str, converter: bool, instead: str) -> str:
+    """A foreign checkpoint's one line: what it is, how far, and what happens or is to be done."""
+    if converter:
+        return f"a {kind} checkpoint ({state}): " + (
+            "being converted by [source] converter"
+            if complete
+            else "[source] converter runs on it once whole"
         )
-    if any(RANK_SHARD.fullmatch(name) for name in names):
-        return (
+    return (
+        f"a {kind} checkpoint ({state}), which vLLM cannot read: set [source] converter to convert "
+        f"it (docs/trainers.md), or {instead}"
+    )
+
+
+def foreign(
+    name: str, names: Collection[str], *, trackers: Mapping[str, str] = {}, legacy: bool = False,
+    converter: bool = False,
+) -> Foreign | None:  # fmt: skip
+    """What a trainer's own format is, whether it is whole by its trainer's rule, and what to do
+    (`converter`: one is configured). `trackers`: the root's tracker files by name (their text);
+    `legacy`: Megatron's `MEGATRON_LEGACY_FILE` is there."""
+    manual = f"convert it to safetensors and {PUBLISH}"
+    if any(n.endswith(".distcp") for n in names) or legacy:
+        megatron = legacy or MEGATRON_METADATA in names or MEGATRON_TRACKER in trackers
+        tracked = _tracked(name, trackers, MEGATRON_TRACKER)
+        if legacy:
+            complete, rule = tracked is True, f"{MEGATRON_TRACKER} names it"
+        elif megatron:
+            complete = DCP_METADATA in names and MEGATRON_METADATA in names and tracked is not False
+            rule = f"{MEGATRON_METADATA} is there and {MEGATRON_TRACKER} names it"
+        else:
+            complete, rule = DCP_METADATA in names, f"{DCP_METADATA} is renamed in"
+        kind = "Megatron legacy" if legacy else "Megatron torch DCP" if megatron else "torch DCP"
+        instead = (
+            manual
+            if megatron
+            else f"save with HuggingFaceStorageWriter (TorchTitan: last_save_in_hf), or {manual}"
+        )
+        state = "complete" if complete else f"being written: whole once {rule}"
+        return Foreign(
+            "megatron" if megatron else "torch-dcp",
+            complete,
+            _said(kind, complete, state, converter, instead),
+        )
+    if any(RANK_SHARD.fullmatch(n) for n in names):
+        return Foreign(
+            "hf-per-rank",
+            False,
             "HuggingFaceStorageWriter's per-rank shards (save_distributed without consolidation), "
-            "each a slice of the tensors: save with enable_consolidation=True"
+            "each a slice of the tensors: save with enable_consolidation=True",
         )
-    if any(name.startswith(DEEPSPEED_PREFIXES) and name.endswith(".pt") for name in names):
-        return (
-            "a DeepSpeed checkpoint (ZeRO .pt shards), which vLLM cannot read: run the "
-            f"zero_to_fp32.py saved beside it with --safe_serialization, then {PUBLISH}"
-        )
+    if any(n.startswith(DEEPSPEED_PREFIXES) and n.endswith(".pt") for n in names):
+        complete = _tracked(name, trackers, DEEPSPEED_TRACKER) is True
+        state = "complete" if complete else f"being written: whole once {DEEPSPEED_TRACKER} names it"
+        instead = f"run the zero_to_fp32.py saved beside it with --safe_serialization, then {PUBLISH}"
+        return Foreign("deepspeed", complete, _said("DeepSpeed", complete, state, converter, instead))
     return None
 
 
@@ -139,8 +209,8 @@ def waiting_reason(names: Collection[str]) -> str:
         return f"{downloading} is there: a download into it has not finished"
     if _trainer_unfinished(names):
         return f"a Trainer checkpoint without its {TRAINER_STATE} yet (Trainer writes it last)"
-    if foreign := foreign_format(names):
-        return foreign
+    if found := foreign("", names):
+        return found.reason
     weights = [name for name in names if is_top_level_shard(name)]
     if weights:
         return (

@@ -105,12 +105,13 @@ class GateOptions:
                 markers=source.markers,
                 settle_seconds=source.settle_seconds,
                 manifest_grace=source.manifest_grace,
+                converter=bool(source.converter),
             ),
         )
 
 
-def _pending(reason: str, manifest: Manifest | None = None, fingerprint: str = "") -> Verdict:
-    return Verdict("pending", reason, manifest, fingerprint)
+def _pending(reason: str, manifest: Manifest | None = None, fp: str = "", **details: object) -> Verdict:
+    return Verdict("pending", reason, manifest, fp, details)
 
 
 def _unreadable(directory: Path, path: Path) -> Verdict:
@@ -121,11 +122,8 @@ def _unreadable(directory: Path, path: Path) -> Verdict:
         owner, mode = _user(found.st_uid), f"{stat.S_IMODE(found.st_mode):04o}"
     except OSError:
         owner, mode = "unknown", "unknown"
-    return Verdict(
-        "pending",
-        f"cannot read {where or '.'}: permission denied (owner {owner}, mode {mode})",
-        details={"unreadable": where or ".", "owner": owner, "mode": mode},
-    )
+    reason = f"cannot read {where or '.'}: permission denied (owner {owner}, mode {mode})"
+    return _pending(reason, unreadable=where or ".", owner=owner, mode=mode)
 
 
 def _user(uid: int) -> str:
@@ -158,7 +156,7 @@ def _escapes(directory: Path, listing: DirectoryListing, manifest: Manifest) -> 
 
 def _from_incomplete(found: Incomplete, manifest: Manifest | None = None, fingerprint: str = "") -> Verdict:
     if found.status == "pending":
-        return _pending(found.reason, manifest, found.fingerprint or fingerprint)
+        return _pending(found.reason, manifest, found.fingerprint or fingerprint, **found.details)
     return _rejected(found.reason, manifest, found.fingerprint or fingerprint, check=found.check)
 
 

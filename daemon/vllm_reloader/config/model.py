@@ -7,6 +7,7 @@ falling back to a default.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -79,8 +80,16 @@ class SourceConfig(_Section):
     download_concurrency: int = Field(8, ge=1, le=256)
     part_size: int = Field(16 << 20, ge=4096)
     """Bytes per ranged GET; also what a resumed download can lose at most per part in flight."""
+    converter: tuple[str, ...] = ()
+    """A command (argv) run once on each checkpoint in a trainer's own format (torch DCP,
+    Megatron, DeepSpeed) that its trainer's rule says is whole: `{input}` is its directory,
+    `{output}` a new directory to write safetensors (and config.json) into, `{format}` one of
+    torch-dcp/megatron/deepspeed, `{name}` its name. The output is placed in the root as
+    `NAME@<fingerprint>` and gated like any checkpoint; a failure rejects that content."""
+    converter_timeout: float = Field(3600.0, gt=0)
+    """A converter still running after this many seconds is killed (and the content rejected)."""
 
-    @field_validator("ignore", "markers", mode="before")
+    @field_validator("ignore", "markers", "converter", mode="before")
     @classmethod
     def _tuple_from_list(cls, value: object) -> object:
         return tuple(value) if isinstance(value, list) else value
@@ -97,6 +106,20 @@ class SourceConfig(_Section):
         if "://" in value and not value.startswith(REMOTE_SCHEMES):
             raise ValueError(f"unsupported scheme; use a local path or one of {', '.join(REMOTE_SCHEMES)}")
         return value
+
+    @model_validator(mode="after")
+    def _converter_runs_here(self) -> SourceConfig:
+        if not self.converter:
+            return self
+        if self.remote:
+            raise ValueError(
+                "converter: works on a local root only (an object store's files are not downloaded)"
+            )
+        if not any("{output}" in arg for arg in self.converter):
+            raise ValueError("converter: no {output} argument: where would it write the safetensors?")
+        if shutil.which(self.converter[0]) is None:
+            raise ValueError(f"converter: {self.converter[0]!r} is not an executable (give its full path)")
+        return self
 
     @property
     def remote(self) -> bool:

@@ -25,6 +25,7 @@ from ..config import Config
 from ..engine.client import EngineClient
 from ..errors import ConfigError
 from ..sources import local
+from ..sources.convert import Converter
 from ..sources.remote import RemoteSource
 from ..sources.verdicts import WAITING_FOR_CANARIES, Verdict
 from . import fleet, paths, status
@@ -81,6 +82,7 @@ class Daemon:
         self.reloader = Reloader(config, self.inbox.put, {**made, **(clients or {})}, self._verdict)
         self.watcher = self._make_watcher(config)
         self.remote = self._make_remote(config)
+        self.converter = Converter(config.source, config.checkpoint_root, self.inbox.put)
         self.control = ControlServer(
             config.control_socket, lambda request, reply: self.inbox.put(ControlRequest(request, reply))
         )
@@ -136,6 +138,7 @@ class Daemon:
         self.watcher.start()
         if self.remote:
             self.remote.start()
+        self.converter.start()
         self.reloader.start()
         self.control.start()
         self.log.info(
@@ -161,6 +164,7 @@ class Daemon:
             self.control.close()
             if self.remote:
                 self.remote.close()
+            self.converter.close()
             self.watcher.close()
             self.reloader.close()
             serving = self.reloader.served.serving
@@ -186,14 +190,11 @@ class Daemon:
         return server
 
     def _dead_helper(self) -> str | None:
-        helpers: dict[str, Helper] = {
-            "watcher": self.watcher,
-            "reload thread": self.reloader,
-            "control socket": self.control,
-        }
-        if self.remote is not None:
-            helpers["object store"] = self.remote
-        return next((name for name, helper in helpers.items() if not helper.is_alive()), None)
+        helpers: dict[str, Helper | None] = {
+            "watcher": self.watcher, "reload thread": self.reloader, "control socket": self.control,
+            "converter": self.converter, "object store": self.remote,
+        }  # fmt: skip
+        return next((name for name, h in helpers.items() if h is not None and not h.is_alive()), None)
 
     def _step(self) -> None:
         if (dead := self._dead_helper()) is not None:  # never run on with a silent dead thread
@@ -302,8 +303,10 @@ class Daemon:
                 self.reloader.rejected_remotely(name, version, reason, fingerprint, check)
             case Recalled(name, version, fingerprint, reason):  # a follower goes back from it
                 self.reloader.recalled(name, version, fingerprint, reason)
-            case GateFinished():  # stopping: nothing new is loaded
+            case GateFinished(gating, verdict):  # stopping: nothing new is loaded, or converted
                 self.reloader.gated(message, act=self.stopping_since is None)
+                if self.stopping_since is None and not message.cancelled:
+                    self.converter.consider(gating.candidate.name, gating.directory, verdict)
             case Answered() as answer:  # stopping: nothing new is started on what it says
                 self.reloader.engines.answered(answer, act=self.stopping_since is None)
             case ReloadFinished(outcome):
@@ -389,6 +392,7 @@ class Daemon:
             if self.remote:
                 self.remote.start()
         self.config = new
+        self.converter.configure(new.source)
         self.reloader.reconfigure(new)
         self.log.info("config.reloaded", path=str(self.config_path))
         self.notifier.ready(status.line(self.snapshot()))

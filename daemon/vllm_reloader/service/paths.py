@@ -27,8 +27,8 @@ def check(config: Config) -> None:
     directory(("state", "dir"), config.state.dir, write=True)
     if config.control.socket is not None:
         directory(("control", "socket"), config.control.socket.parent, write=True, of=config.control.socket)
-    if not config.source.remote:
-        directory(("source", "path"), Path(config.source.path), write=False)
+    if not config.source.remote:  # a converter places its output there: then it writes
+        directory(("source", "path"), Path(config.source.path), write=bool(config.source.converter))
         return
     if config.state.cache_dir is not None:
         directory(("state", "cache_dir"), config.state.cache_dir, write=True)
@@ -60,4 +60,9 @@ def directory(section_key: tuple[str, str], path: Path, *, write: bool, of: Path
         raise ConfigError(f"{where}: exists and is not a directory")
     need, what = (os.R_OK | os.W_OK | os.X_OK, "writable") if write else (os.R_OK | os.X_OK, "readable")
     if not os.access(path, need, effective_ids=_EFFECTIVE):
-        raise ConfigError(f"{where}: not {what} by this user (uid {os.geteuid()}); chown or chmod it")
+        why = (
+            " ([source] converter places its output there; systemd: ReadWritePaths=)"
+            if write and key == "source.path"
+            else ""
+        )
+        raise ConfigError(f"{where}: not {what} by this user (uid {os.geteuid()}){why}; chown or chmod it")

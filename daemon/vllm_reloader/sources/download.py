@@ -301,7 +301,7 @@ def fetch(
                 return Fetched(None, bad, download.fetched, download.reused, seconds)
             digests = {p: s["blake3"].hexdigest() for p, s in download.states.items() if "blake3" in s}
             scanned = {p: scan.found for p, scan in download.scans.items() if scan.scanned}
-            placed, new = _place(staging, root, place_as, last)
+            placed, new = place(staging, root, place_as, last)
             if not new:  # what was checked here is not what is there: the gate reads that itself
                 digests, scanned = {}, {}
             return Fetched(placed, "", download.fetched, download.reused, seconds, digests, scanned)
@@ -311,7 +311,7 @@ def fetch(
     raise AssertionError("unreachable")
 
 
-def _place(staging: Path, root: Path, name: str, last: tuple[str, bytes] | None) -> tuple[Path, bool]:
+def place(staging: Path, root: Path, name: str, last: tuple[str, bytes] | None) -> tuple[Path, bool]:
     """The completing file last, everything fsynced, then one rename into the root. Never over
     a directory that is there: an engine may serve it, roll back to it or be loading it.
     Returns where it is, and whether these bytes were placed (False: it was there)."""

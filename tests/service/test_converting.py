@@ -1,0 +1,53 @@
+"""A trainer's own format, converted by `[source] converter` and served; a failing converter
+rejects that content once."""
+
+import time
+
+from tests.support.converters import COPYING, FAILING, converter
+from tests.support.fake_engine import FakeEngine
+
+
+def _dcp(directory, *, whole: bool = True):
+    """What torch DCP's FileSystemWriter leaves: every rank's `.distcp`, then `.metadata`."""
+    directory.mkdir()
+    for rank in range(2):
+        (directory / f"__{rank}_0.distcp").write_bytes(b"\0" * 256)
+    if whole:
+        (directory / ".metadata").write_bytes(b"metadata")
+    return directory
+
+
+def test_daemon_converts_a_whole_dcp_checkpoint_and_serves_the_output(start, root, tmp_path, make_checkpoint):
+    make_checkpoint("step-1", root=root)
+    made = make_checkpoint("src", root=tmp_path / "made", seed=2, shards=2)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    running = start(engine, converter=converter(tmp_path, "copy", COPYING, made))
+    running.wait_for("engine.reconciled")
+    writing = _dcp(root / "step-2", whole=False)
+    time.sleep(0.5)
+    assert not running.events("checkpoint.converting"), "not whole yet: .metadata comes last"
+    (writing / ".metadata").write_bytes(b"metadata")
+    converted = running.wait_for("checkpoint.converted", name="step-2")
+    done = running.wait_for("reload.succeeded", path=str(root / converted["placed"]))
+    assert done["version"] == "step-2"
+    assert engine.loaded == str(root / converted["placed"])
+    time.sleep(0.5)
+    assert len(running.events("checkpoint.converting")) == 1
+    assert not running.events("checkpoint.rejected")
+
+
+def test_daemon_rejects_what_its_converter_fails_on_once_and_serves_on(
+    start, root, tmp_path, make_checkpoint
+):
+    make_checkpoint("step-1", root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    running = start(engine, converter=converter(tmp_path, "fail", FAILING))
+    running.wait_for("engine.reconciled")
+    _dcp(root / "step-2")
+    rejected = running.wait_for("checkpoint.rejected", name="step-2")
+    assert rejected["check"] == "converter" and "exited with status 3" in rejected["reason"]
+    assert "the optimizer state is not a model" in rejected["reason"]
+    time.sleep(0.5)  # the gate's rechecks: the rejected content is not converted again
+    assert len(running.events("checkpoint.converting")) == 1
+    assert not [c for c in engine.calls if c.startswith("reload:")]
+    assert running.daemon.reloader.catalog.rejected["step-2"]

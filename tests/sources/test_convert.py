@@ -1,0 +1,164 @@
+import os
+import queue
+import time
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+
+from tests.support.converters import COPYING, ECHOING, EMPTY, FAILING, HANGING, converter
+from vllm_reloader.checkpoint.gate import Verdict
+from vllm_reloader.checkpoint.manifest import MANIFEST_NAME
+from vllm_reloader.checkpoint.manifest import parse as parse_manifest
+from vllm_reloader.config import SourceConfig
+from vllm_reloader.sources.convert import STAGING_PREFIX, Converter
+from vllm_reloader.sources.remote import Downloaded, Rejected
+
+FP = "ab" * 32
+WHOLE = Verdict(
+    "pending", "a torch DCP checkpoint (complete)", fingerprint=FP, details={"convert": "torch-dcp"}
+)
+
+
+@pytest.fixture
+def convert(tmp_path: Path):
+    """Starts a converter on ROOT with `argv`; yields (start, posted); stops it after."""
+    root = tmp_path / "root"
+    (root / "step-5").mkdir(parents=True)
+    posted: queue.SimpleQueue[Downloaded | Rejected] = queue.SimpleQueue()
+    made: list[Converter] = []
+
+    def start(argv: tuple[str, ...], timeout: float = 60.0) -> Converter:
+        source = SourceConfig(path=str(root), converter=argv, converter_timeout=timeout)
+        made.append(Converter(source, root, posted.put))
+        made[-1].start()
+        return made[-1]
+
+    yield root, start, posted
+    for each in made:
+        each.close()
+
+
+def test_converter_places_its_output_with_a_manifest_as_name_at_fingerprint(
+    convert, make_checkpoint, tmp_path
+):
+    root, start, posted = convert
+    made = make_checkpoint("made", root=tmp_path / "made", shards=2)
+    with capture_logs() as logs:
+        converter_ = start(converter(tmp_path, "copy", COPYING, made))
+        converter_.consider("step-5", root / "step-5", WHOLE)
+        converter_.consider("step-5", root / "step-5", WHOLE)  # the gate's next look: once only
+        result = posted.get(timeout=30)
+    placed = f"step-5@{FP[:16]}"
+    assert result == Downloaded(placed)
+    manifest = parse_manifest((root / placed / MANIFEST_NAME).read_bytes())
+    shards = sorted(p.name for p in made.glob("*.safetensors"))
+    assert sorted(f.path for f in manifest.files if f.path.endswith(".safetensors")) == shards
+    assert all(f.blake3 for f in manifest.files) and manifest.version == "step-5"
+    assert not [p for p in root.iterdir() if p.name.startswith(STAGING_PREFIX)]
+    assert [e["event"] for e in logs if e["event"].startswith("checkpoint.")] == [
+        "checkpoint.converting", "checkpoint.converted",
+    ]  # fmt: skip
+    assert posted.empty()
+
+
+def test_converter_failure_rejects_that_content_with_its_last_lines(convert, tmp_path):
+    root, start, posted = convert
+    start(converter(tmp_path, "fail", FAILING)).consider("step-5", root / "step-5", WHOLE)
+    result = posted.get(timeout=30)
+    assert isinstance(result, Rejected) and result.check == "converter" and result.fingerprint == FP
+    assert result.name == "step-5" and "exited with status 3" in result.reason
+    assert "RuntimeError: the optimizer state is not a model" in result.reason
+    assert "line 19" in result.reason and "line 5" not in result.reason, "the last lines only"
+    assert "\n" not in result.reason
+    assert not [p for p in root.iterdir() if p.name != "step-5"], "nothing placed, no staging left"
+
+
+def test_converter_that_writes_no_safetensors_is_a_rejection(convert, tmp_path):
+    root, start, posted = convert
+    start(converter(tmp_path, "empty", EMPTY)).consider("step-5", root / "step-5", WHOLE)
+    result = posted.get(timeout=30)
+    assert isinstance(result, Rejected) and "wrote no .safetensors" in result.reason
+
+
+def test_converter_running_past_its_timeout_is_killed_with_its_children_and_rejected(convert, tmp_path):
+    root, start, posted = convert
+    pids = tmp_path / "pids"
+    start(converter(tmp_path, "hang", HANGING, pids), timeout=2).consider("step-5", root / "step-5", WHOLE)
+    result = posted.get(timeout=30)
+    assert (
+        isinstance(result, Rejected)
+        and "converter_timeout (2 s)" in result.reason
+        and "working" in result.reason
+    )
+    for pid in map(int, pids.read_text().split()):
+        _gone(pid)
+
+
+def test_stopping_kills_a_running_converter_and_records_nothing(convert, tmp_path):
+    root, start, posted = convert
+    pids = tmp_path / "pids"
+    running = start(converter(tmp_path, "hang", HANGING, pids))
+    running.consider("step-5", root / "step-5", WHOLE)
+    deadline = time.monotonic() + 30
+    while not pids.exists() or not pids.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    running.close()
+    assert not running.is_alive() and posted.empty()
+    for pid in map(int, pids.read_text().split()):
+        _gone(pid)
+    assert not [p for p in root.iterdir() if p.name.startswith(STAGING_PREFIX)]
+
+
+def test_converter_gets_a_name_that_spells_a_placeholder_as_it_is(convert, tmp_path):
+    root, start, posted = convert
+    odd = root / "step-{output}"
+    odd.mkdir()
+    seen = tmp_path / "seen"
+    start(converter(tmp_path, "echo", ECHOING, seen)).consider(odd.name, odd, WHOLE)
+    assert isinstance(posted.get(timeout=30), Rejected)
+    given, output = (seen / "argv").read_text().split("\n")
+    assert given == str(odd) and output.endswith(f"{STAGING_PREFIX}step-{{output}}@{FP[:16]}/output")
+
+
+def test_converter_is_not_run_again_on_content_it_placed_before_a_restart(convert, tmp_path):
+    root, start, posted = convert
+    (root / f"step-5@{FP[:16]}").mkdir()
+    start(converter(tmp_path, "fail", FAILING)).consider("step-5", root / "step-5", WHOLE)
+    assert posted.get(timeout=30) == Downloaded(f"step-5@{FP[:16]}")
+
+
+@pytest.mark.parametrize(
+    "verdict",
+    [
+        Verdict("pending", "a torch DCP checkpoint (being written)", fingerprint=FP),
+        Verdict("pending", "no fingerprint", details={"convert": "torch-dcp"}),
+        Verdict("rejected", "bad", fingerprint=FP, details={"convert": "torch-dcp"}),
+    ],
+)
+def test_converter_runs_only_on_what_the_gate_found_whole(convert, tmp_path, verdict):
+    root, start, posted = convert
+    start(converter(tmp_path, "fail", FAILING)).consider("step-5", root / "step-5", verdict)
+    with pytest.raises(queue.Empty):
+        posted.get(timeout=1)
+
+
+def _gone(pid: int) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        if _zombie(pid):
+            return
+        assert time.monotonic() < deadline, f"{pid} still runs"
+        time.sleep(0.05)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+    except OSError:
+        return True
