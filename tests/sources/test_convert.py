@@ -6,7 +6,16 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from tests.support.converters import COPYING, ECHOING, EMPTY, FAILING, HANGING, converter
+from tests.support.converters import (
+    COPYING,
+    ECHOING,
+    EMPTY,
+    FAILING,
+    HANGING,
+    LINKING,
+    OWN_MANIFEST,
+    converter,
+)
 from vllm_reloader.checkpoint.gate import Verdict
 from vllm_reloader.checkpoint.manifest import MANIFEST_NAME
 from vllm_reloader.checkpoint.manifest import parse as parse_manifest
@@ -162,3 +171,39 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
     except OSError:
         return True
+
+
+def test_converter_output_that_is_a_symlink_is_rejected_and_nothing_is_placed(
+    convert, make_checkpoint, tmp_path
+):
+    root, start, posted = convert
+    made = make_checkpoint("made", root=tmp_path / "made")
+    start(converter(tmp_path, "link", LINKING, made)).consider("step-5", root / "step-5", WHOLE)
+    result = posted.get(timeout=30)
+    assert isinstance(result, Rejected) and "made no directory" in result.reason
+    assert sorted(p.name for p in root.iterdir()) == ["step-5"] and made.is_dir()
+
+
+def test_converter_manifest_of_its_own_is_replaced_by_the_daemons(convert, make_checkpoint, tmp_path):
+    root, start, posted = convert
+    made = make_checkpoint("made", root=tmp_path / "made")
+    start(converter(tmp_path, "own", OWN_MANIFEST, made)).consider("step-5", root / "step-5", WHOLE)
+    placed = posted.get(timeout=30)
+    assert isinstance(placed, Downloaded)
+    manifest = parse_manifest((root / placed.name / MANIFEST_NAME).read_bytes())
+    assert MANIFEST_NAME not in [f.path for f in manifest.files] and manifest.files
+
+
+def test_converter_leaves_content_another_daemon_on_the_root_is_converting_to_it(convert, tmp_path):
+    import fcntl
+
+    root, start, posted = convert
+    lock = root / f"{STAGING_PREFIX}step-5@{FP[:16]}.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        start(converter(tmp_path, "fail", FAILING)).consider("step-5", root / "step-5", WHOLE)
+        with pytest.raises(queue.Empty):
+            posted.get(timeout=1.5)
+    finally:
+        os.close(fd)

@@ -30,6 +30,20 @@ time.sleep(600)
 """
 """Never ends; its own child neither. Writes both pids to argv[3]."""
 
+LINKING = """
+import os, sys
+os.symlink(sys.argv[3], sys.argv[2])
+"""
+"""Makes `{output}` a symlink to the checkpoint in argv[3]."""
+
+OWN_MANIFEST = (
+    COPYING
+    + """
+open(sys.argv[2] + "/manifest.json", "w").write('{"format_version": 1, "files": []}')
+"""
+)
+"""Writes a manifest of its own into the output, besides the checkpoint in argv[3]."""
+
 EMPTY = """
 import os, sys
 os.makedirs(sys.argv[2])

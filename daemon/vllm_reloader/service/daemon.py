@@ -392,7 +392,7 @@ class Daemon:
             if self.remote:
                 self.remote.start()
         self.config = new
-        self.converter.configure(new.source)
+        self.converter.configure(new.source, new.checkpoint_root)
         self.reloader.reconfigure(new)
         self.log.info("config.reloaded", path=str(self.config_path))
         self.notifier.ready(status.line(self.snapshot()))

@@ -14,6 +14,7 @@ daemon kills a running converter and records nothing: it runs again after the re
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import queue
 import re
@@ -23,7 +24,7 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -53,6 +54,8 @@ class Conversion:
     fingerprint: str
     directory: Path
     format: str
+    root: Path
+    """Where its output is placed: the root of when it was asked for."""
 
     @property
     def placed(self) -> str:
@@ -74,9 +77,9 @@ class Converter:
         self._jobs: queue.SimpleQueue[Conversion | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="converter", daemon=True)
 
-    def configure(self, source: SourceConfig) -> None:
-        """SIGHUP: the next conversion runs the new command (one running goes on)."""
-        self.source = source
+    def configure(self, source: SourceConfig, root: Path) -> None:
+        """SIGHUP: the next conversion runs the new command, into the new root (one running goes on)."""
+        self.source, self.root = source, root
 
     def consider(self, name: str, directory: Path, verdict: Verdict) -> None:
         """From the loop, on each verdict: converts what the gate found whole (`convert`)."""
@@ -86,7 +89,7 @@ class Converter:
         if not self.source.converter or (name, fingerprint) in self.asked:
             return
         self.asked.add((name, fingerprint))
-        job = Conversion(name, fingerprint, directory, kind)
+        job = Conversion(name, fingerprint, directory, kind, self.root)
         self.log.info("checkpoint.converting", name=name, format=kind, into=job.placed)
         self._jobs.put(job)
 
@@ -115,27 +118,38 @@ class Converter:
         return Rejected(job.name, "", reason[:TAIL_CHARS], job.fingerprint, CHECK)
 
     def _convert(self, job: Conversion) -> Downloaded | Rejected | None:
-        if os.path.lexists(self.root / job.placed):  # converted before a restart
-            return Downloaded(job.placed)
-        staging = self.root / f"{STAGING_PREFIX}{job.placed}"
-        shutil.rmtree(staging, ignore_errors=True)  # what a crash or a stop left
+        staging = job.root / f"{STAGING_PREFIX}{job.placed}"
+        with _owned(staging.with_name(staging.name + ".lock")) as owned:
+            if os.path.lexists(job.root / job.placed):  # converted before (a restart, another daemon)
+                return Downloaded(job.placed)
+            if not owned:  # another daemon on this root converts it: its output shows up here
+                return None
+            shutil.rmtree(staging, ignore_errors=True)  # what a crash or a stop left
+            try:
+                return self._converted(job, staging)
+            except OSError as exc:
+                return self._rejected(
+                    job, f"converting into {exc.filename or staging}: {exc.strerror or exc}"
+                )
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.with_name(staging.name + ".lock").unlink(missing_ok=True)
+
+    def _converted(self, job: Conversion, staging: Path) -> Downloaded | Rejected | None:
         output = staging / "output"
-        try:
-            staging.mkdir()
-            failed = self._execute(job, staging, output)
-            if failed is None:
-                return None  # stopping
-            if failed:
-                return self._rejected(job, failed)
-            entries = _files(output)
-            if not any(is_top_level_shard(entry.path) for entry in entries):
-                return self._rejected(job, "the converter exited 0 but wrote no .safetensors into {output}")
-            manifest = Manifest(format_version=1, version=job.name, files=tuple(entries))
-            place(output, self.root, job.placed, (MANIFEST_NAME, dumps(manifest)))
-        except OSError as exc:
-            return self._rejected(job, f"converting into {exc.filename or staging}: {exc.strerror or exc}")
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        failed = self._execute(job, staging, output)
+        if failed is None:
+            return None  # stopping
+        if failed:
+            return self._rejected(job, failed)
+        if output.is_symlink() or not output.is_dir():
+            return self._rejected(job, "the converter exited 0 but made no directory at {output}")
+        entries = _files(output)
+        if not any(is_top_level_shard(entry.path) for entry in entries):
+            return self._rejected(job, "the converter exited 0 but wrote no .safetensors into {output}")
+        manifest = Manifest(format_version=1, version=job.name, files=tuple(entries))
+        place(output, job.root, job.placed, (MANIFEST_NAME, dumps(manifest)))
         self.log.info("checkpoint.converted", name=job.name, placed=job.placed, bytes=manifest.total_bytes)
         return Downloaded(job.placed)
 
@@ -192,11 +206,28 @@ def _tail(out: BinaryIO) -> str:
     return ": " + " | ".join(lines) if lines else " (it printed nothing)"
 
 
+@contextlib.contextmanager
+def _owned(lock: Path) -> Iterator[bool]:
+    """Whether this process converts it (an flock, let go if it dies): two daemons on one root
+    never share a staging directory, and a crashed one's leftovers go with the next try."""
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
 def _files(output: Path) -> list[ManifestFile]:
-    """Every regular file the converter wrote (no symlinks followed), with its size and blake3."""
+    """Every regular file the converter wrote (no symlinks followed), with its size and blake3;
+    a manifest of its own is not one of them (the daemon writes the output's)."""
     entries = []
     for path in sorted(output.rglob("*")):
-        if path.is_symlink() or not path.is_file():
+        if path.is_symlink() or not path.is_file() or path.relative_to(output).as_posix() == MANIFEST_NAME:
             continue
         hasher, size = blake3.blake3(max_threads=blake3.blake3.AUTO), 0
         fd = open_regular(path)
