@@ -51,3 +51,21 @@ def test_daemon_rejects_what_its_converter_fails_on_once_and_serves_on(
     assert len(running.events("checkpoint.converting")) == 1
     assert not [c for c in engine.calls if c.startswith("reload:")]
     assert running.daemon.reloader.catalog.rejected["step-2"]
+
+
+def test_daemon_restarted_does_not_convert_again_what_its_converter_failed_on(
+    start, root, tmp_path, make_checkpoint
+):
+    make_checkpoint("step-1", root=root)
+    argv = converter(tmp_path, "fail", FAILING)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    first = start(engine, converter=argv)
+    _dcp(root / "step-2")
+    first.wait_for("checkpoint.rejected", name="step-2")
+    first.daemon.request_stop()
+    first.wait_for("daemon.stopped")
+    second = start(engine, converter=argv)
+    second.wait_for("engine.reconciled", timeout=10)
+    time.sleep(0.5)
+    assert len(second.events("checkpoint.converting")) == 1, "the one before the restart only"
+    assert "step-2" not in second.daemon.reloader.catalog.pending

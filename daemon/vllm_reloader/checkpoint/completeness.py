@@ -49,6 +49,7 @@ from .conventions import (
     MEGATRON_LEGACY_FILE,
     TRACKERS,
     Convention,
+    Foreign,
     foreign,
     resolved,
     signal_name,
@@ -144,8 +145,8 @@ def fingerprint(listing: Listing, convention: Convention) -> str:
     concrete = resolved(listing.top(), convention)
     if concrete.mode == "manifest":
         return fingerprint_of(listing.whole(MANIFEST_NAME)) if MANIFEST_NAME in listing.top() else ""
-    if concrete.mode == "auto":
-        return ""  # nothing says it is complete yet: no content to remember it by
+    if concrete.mode == "auto":  # nothing says it is complete yet: no content, but a trainer's own format's
+        return found[1] if (found := _foreign_found(listing, convention)) else ""
     files = _wanted_files(listing, convention)
     if convention.mode == "auto":  # see the module's docstring
         files = {n: e for n, e in files.items() if is_top_level_shard(n) or n in CONTENT_METADATA}
@@ -196,22 +197,33 @@ def describe(listing: Listing, convention: Convention, now: float) -> Listed | I
 
 
 def _foreign(listing: Listing, convention: Convention) -> Incomplete | None:
-    """A trainer's own format (`conventions.foreign`): pending, with `convert` once it is whole.
-    Its content: every file's name, size and time, and the root's trackers."""
-    beside = listing.beside() if isinstance(listing, DirectoryListing) else None
-    name, trackers = beside or ("", {})
-    legacy = listing.entry(MEGATRON_LEGACY_FILE) is not None
-    found = foreign(name, listing.top(), trackers=trackers, legacy=legacy, converter=convention.converter)
+    """A trainer's own format (`conventions.foreign`): pending, with `convert` once it is whole."""
+    found = _foreign_found(listing, convention)
     if found is None:
         return None
-    files = {
-        **listing.top(),
-        **({MEGATRON_LEGACY_FILE: listing.entry(MEGATRON_LEGACY_FILE)} if legacy else {}),
-    }
-    parts = [f"{n}\0{e.size}\0{e.mtime!r}" for n, e in sorted(files.items()) if e is not None]
+    (what, fp) = found
+    return Incomplete("pending", what.reason, fp, convert=what.format if what.complete else "")
+
+
+def _foreign_found(listing: Listing, convention: Convention) -> tuple[Foreign, str] | None:
+    """In a directory: a trainer's own format, and its content — every file's name, size and
+    time, and the root's trackers (a rejected conversion is not run again on the same)."""
+    if not isinstance(listing, DirectoryListing):
+        return None
+    name, trackers = listing.beside()
+    try:
+        legacy = listing.entry(MEGATRON_LEGACY_FILE)
+    except OSError:  # `mp_rank_00` is a file, or unreadable: not that layout
+        legacy = None
+    found = foreign(
+        name, listing.top(), trackers=trackers, legacy=legacy is not None, converter=convention.converter
+    )
+    if found is None:
+        return None
+    files = {**listing.top(), **({MEGATRON_LEGACY_FILE: legacy} if legacy is not None else {})}
+    parts = [f"{n}\0{e.size}\0{e.mtime!r}" for n, e in sorted(files.items())]
     parts += [f"{n}\0{text}" for n, text in sorted(trackers.items())]
-    fp = fingerprint_of("\n".join(parts).encode())
-    return Incomplete("pending", found.reason, fp, convert=found.format if found.complete else "")
+    return found, fingerprint_of("\n".join(parts).encode())
 
 
 def _from_manifest(listing: Listing, convention: Convention, now: float) -> Listed | Incomplete:
