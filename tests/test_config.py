@@ -178,6 +178,7 @@ def test_config_path_holding_a_nul_is_a_config_error_not_a_crash(key):
         ),
         ('converter = ["/bin/true", "{input}"]', "no {output} argument"),
         ('converter = "/bin/true {input} {output}"', "source.converter"),
+        ('completeness = "manifest"\nconverter = ["/bin/true", "{output}"]', 'needs completeness = "auto"'),
     ],
 )
 def test_config_converter_mistakes_are_one_line_errors(lines, message):

@@ -69,3 +69,24 @@ def test_daemon_restarted_does_not_convert_again_what_its_converter_failed_on(
     time.sleep(0.5)
     assert len(second.events("checkpoint.converting")) == 1, "the one before the restart only"
     assert "step-2" not in second.daemon.reloader.catalog.pending
+
+
+def test_daemon_rejecting_a_converted_output_stops_its_trainer_directory_waiting(
+    start, root, tmp_path, make_checkpoint
+):
+    """The output of another model (the gate's `layout` check): rejected, and the trainer's
+    directory it came from is no longer pending ("being converted") nor gated again."""
+    make_checkpoint("step-1", root=root)
+    other = make_checkpoint("src", root=tmp_path / "made", shapes={"model.other.weight": (4, 4)})
+    engine = FakeEngine(startup=str(root / "step-1"))
+    running = start(engine, converter=converter(tmp_path, "copy", COPYING, other))
+    running.wait_for("engine.reconciled")
+    _dcp(root / "step-2")
+    placed = running.wait_for("checkpoint.converted", name="step-2")["placed"]
+    rejected = running.wait_for("checkpoint.rejected", name=placed)
+    assert rejected["check"] == "layout"
+    time.sleep(0.5)
+    catalog = running.daemon.reloader.catalog
+    assert "step-2" not in catalog.pending and placed not in catalog.pending
+    assert "step-2" not in catalog.newer_than(running.daemon.reloader.served.serving_key())
+    assert not [c for c in engine.calls if c.startswith("reload:")]

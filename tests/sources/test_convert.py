@@ -12,28 +12,47 @@ from tests.support.converters import (
     EMPTY,
     FAILING,
     HANGING,
+    KILLED,
     LINKING,
     OWN_MANIFEST,
+    REWRITING,
     converter,
 )
-from vllm_reloader.checkpoint.gate import Verdict
+from vllm_reloader.checkpoint import gate
+from vllm_reloader.checkpoint.conventions import Convention
+from vllm_reloader.checkpoint.gate import GateOptions, Verdict
 from vllm_reloader.checkpoint.manifest import MANIFEST_NAME
 from vllm_reloader.checkpoint.manifest import parse as parse_manifest
 from vllm_reloader.config import SourceConfig
 from vllm_reloader.sources.convert import STAGING_PREFIX, Converter
 from vllm_reloader.sources.remote import Downloaded, Rejected
 
-FP = "ab" * 32
-WHOLE = Verdict(
-    "pending", "a torch DCP checkpoint (complete)", fingerprint=FP, details={"convert": "torch-dcp"}
-)
+CONVERTING = GateOptions(convention=Convention(converter=True))
+
+
+def dcp(directory: Path) -> Verdict:
+    """A whole torch DCP checkpoint (rank files, then `.metadata`), and the gate's verdict on it."""
+    directory.mkdir(parents=True)
+    for rank in range(2):
+        (directory / f"__{rank}_0.distcp").write_bytes(b"\0" * 256)
+    (directory / ".metadata").write_bytes(b"metadata")
+    verdict = gate.check(directory, serving=None, options=CONVERTING)
+    assert verdict.details == {"convert": "torch-dcp"} and verdict.fingerprint
+    return verdict
+
+
+WHOLE: Verdict
+FP: str
 
 
 @pytest.fixture
 def convert(tmp_path: Path):
-    """Starts a converter on ROOT with `argv`; yields (start, posted); stops it after."""
+    """Starts a converter on ROOT with `argv`; yields (root, start, posted); stops it after.
+    ROOT/step-5 is a whole DCP checkpoint: WHOLE the gate's verdict, FP its fingerprint."""
+    global WHOLE, FP
     root = tmp_path / "root"
-    (root / "step-5").mkdir(parents=True)
+    WHOLE = dcp(root / "step-5")
+    FP = WHOLE.fingerprint
     posted: queue.SimpleQueue[Downloaded | Rejected] = queue.SimpleQueue()
     made: list[Converter] = []
 
@@ -64,6 +83,7 @@ def test_converter_places_its_output_with_a_manifest_as_name_at_fingerprint(
     shards = sorted(p.name for p in made.glob("*.safetensors"))
     assert sorted(f.path for f in manifest.files if f.path.endswith(".safetensors")) == shards
     assert all(f.blake3 for f in manifest.files) and manifest.version == "step-5"
+    assert manifest.step == 5, "the number its name ends in"
     assert not [p for p in root.iterdir() if p.name.startswith(STAGING_PREFIX)]
     assert [e["event"] for e in logs if e["event"].startswith("checkpoint.")] == [
         "checkpoint.converting", "checkpoint.converted",
@@ -80,7 +100,7 @@ def test_converter_failure_rejects_that_content_with_its_last_lines(convert, tmp
     assert "RuntimeError: the optimizer state is not a model" in result.reason
     assert "line 19" in result.reason and "line 5" not in result.reason, "the last lines only"
     assert "\n" not in result.reason
-    assert not [p for p in root.iterdir() if p.name != "step-5"], "nothing placed, no staging left"
+    assert sorted(p.name for p in root.iterdir()) == ["step-5"], "nothing placed, no staging left"
 
 
 def test_converter_that_writes_no_safetensors_is_a_rejection(convert, tmp_path):
@@ -123,12 +143,13 @@ def test_stopping_kills_a_running_converter_and_records_nothing(convert, tmp_pat
 def test_converter_gets_a_name_that_spells_a_placeholder_as_it_is(convert, tmp_path):
     root, start, posted = convert
     odd = root / "step-{output}"
-    odd.mkdir()
+    verdict = dcp(odd)
     seen = tmp_path / "seen"
-    start(converter(tmp_path, "echo", ECHOING, seen)).consider(odd.name, odd, WHOLE)
+    start(converter(tmp_path, "echo", ECHOING, seen)).consider(odd.name, odd, verdict)
     assert isinstance(posted.get(timeout=30), Rejected)
     given, output = (seen / "argv").read_text().split("\n")
-    assert given == str(odd) and output.endswith(f"{STAGING_PREFIX}step-{{output}}@{FP[:16]}/output")
+    placed = f"step-{{output}}@{verdict.fingerprint[:16]}"
+    assert given == str(odd) and output.endswith(f"{STAGING_PREFIX}{placed}/output")
 
 
 def test_converter_is_not_run_again_on_content_it_placed_before_a_restart(convert, tmp_path):
@@ -138,19 +159,23 @@ def test_converter_is_not_run_again_on_content_it_placed_before_a_restart(conver
     assert posted.get(timeout=30) == Downloaded(f"step-5@{FP[:16]}")
 
 
-@pytest.mark.parametrize(
-    "verdict",
-    [
-        Verdict("pending", "a torch DCP checkpoint (being written)", fingerprint=FP),
-        Verdict("pending", "no fingerprint", details={"convert": "torch-dcp"}),
-        Verdict("rejected", "bad", fingerprint=FP, details={"convert": "torch-dcp"}),
-    ],
-)
-def test_converter_runs_only_on_what_the_gate_found_whole(convert, tmp_path, verdict):
+@pytest.mark.parametrize("odd", ["not whole", "no fingerprint", "rejected", "written again"])
+def test_converter_runs_only_on_what_the_gate_found_whole_as_it_still_is(convert, tmp_path, odd):
     root, start, posted = convert
-    start(converter(tmp_path, "fail", FAILING)).consider("step-5", root / "step-5", verdict)
-    with pytest.raises(queue.Empty):
-        posted.get(timeout=1)
+    verdict = {
+        "not whole": Verdict("pending", "a torch DCP checkpoint (being written)", fingerprint=FP),
+        "no fingerprint": Verdict("pending", "no fingerprint", details={"convert": "torch-dcp"}),
+        "rejected": Verdict("rejected", "bad", fingerprint=FP, details={"convert": "torch-dcp"}),
+        "written again": WHOLE,
+    }[odd]
+    if odd == "written again":  # after the gate's look: other content, converted once the gate sees it
+        (root / "step-5" / "__1_0.distcp").write_bytes(b"\1" * 300)
+    with capture_logs() as logs:
+        start(converter(tmp_path, "fail", FAILING)).consider("step-5", root / "step-5", verdict)
+        with pytest.raises(queue.Empty):
+            posted.get(timeout=1)
+    dropped = [e for e in logs if e["event"] == "checkpoint.convert_dropped"]
+    assert bool(dropped) == (odd == "written again")
 
 
 def _gone(pid: int) -> None:
@@ -205,5 +230,64 @@ def test_converter_leaves_content_another_daemon_on_the_root_is_converting_to_it
         start(converter(tmp_path, "fail", FAILING)).consider("step-5", root / "step-5", WHOLE)
         with pytest.raises(queue.Empty):
             posted.get(timeout=1.5)
+    finally:
+        os.close(fd)
+
+
+def test_converter_killed_by_a_signal_is_tried_again_after_a_backoff_not_rejected(
+    convert, tmp_path, monkeypatch
+):
+    from vllm_reloader.sources import convert as module
+
+    monkeypatch.setattr(module, "RETRY", (0.6, 1.0))
+    root, start, posted = convert
+    with capture_logs() as logs:
+        running = start(converter(tmp_path, "killed", KILLED))
+        running.consider("step-5", root / "step-5", WHOLE)
+        deadline = time.monotonic() + 30
+        while not [e for e in logs if e["event"] == "checkpoint.convert_failed"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        running.consider("step-5", root / "step-5", WHOLE)  # within the backoff: not again
+        time.sleep(0.8)
+        running.consider("step-5", root / "step-5", WHOLE)  # after it: again
+        while len([e for e in logs if e["event"] == "checkpoint.convert_failed"]) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    failed = [e for e in logs if e["event"] == "checkpoint.convert_failed"]
+    assert "killed by signal 9 SIGKILL (out of memory?): loading 80 GB" in failed[0]["reason"]
+    assert [e["retry_in_s"] for e in failed] == [0.6, 1.0]
+    assert len([e for e in logs if e["event"] == "checkpoint.converting"]) == 2
+    assert posted.empty(), "no rejection: the checkpoint is not at fault"
+
+
+def test_converter_output_is_dropped_when_the_input_was_written_again_while_it_ran(
+    convert, make_checkpoint, tmp_path
+):
+    root, start, posted = convert
+    made = make_checkpoint("made", root=tmp_path / "made")
+    with capture_logs() as logs:
+        start(converter(tmp_path, "rewrite", REWRITING, made)).consider("step-5", root / "step-5", WHOLE)
+        deadline = time.monotonic() + 30
+        while not [e for e in logs if e["event"] == "checkpoint.convert_dropped"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert posted.empty() and sorted(p.name for p in root.iterdir()) == ["step-5"]
+
+
+def test_converter_start_sweeps_staging_no_live_converter_holds(tmp_path):
+    import fcntl
+
+    root = tmp_path / "root"
+    (root / f"{STAGING_PREFIX}step-1@{'0' * 16}" / "output").mkdir(parents=True)
+    held = root / f"{STAGING_PREFIX}step-2@{'1' * 16}"
+    (held / "output").mkdir(parents=True)
+    fd = os.open(held.with_name(held.name + ".lock"), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        swept = Converter(SourceConfig(path=str(root)), root, lambda _: None)
+        swept.start()
+        swept.close()
+        assert sorted(p.name for p in root.iterdir()) == [held.name, held.name + ".lock"]
     finally:
         os.close(fd)

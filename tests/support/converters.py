@@ -44,6 +44,21 @@ open(sys.argv[2] + "/manifest.json", "w").write('{"format_version": 1, "files": 
 )
 """Writes a manifest of its own into the output, besides the checkpoint in argv[3]."""
 
+KILLED = """
+import os, signal
+print("loading 80 GB", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+"""Dies as the OOM killer kills it."""
+
+REWRITING = (
+    COPYING
+    + """
+open(sys.argv[1] + "/__1_0.distcp", "ab").write(b"more")
+"""
+)
+"""Succeeds, but the trainer wrote the input again while it ran (argv[3]: the checkpoint)."""
+
 EMPTY = """
 import os, sys
 os.makedirs(sys.argv[2])

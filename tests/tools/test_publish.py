@@ -532,3 +532,26 @@ def test_publish_loser_of_the_final_rename_keeps_the_winners_version(src, tmp_pa
     assert (root / "v1" / "model.safetensors").read_bytes() == (other / "model.safetensors").read_bytes()
     assert {p.name: p.read_bytes() for p in src.iterdir()} == before
     assert sorted(p.name for p in root.iterdir()) == ["v1"]
+
+
+def test_publish_syncs_every_copy_before_its_manifest_a_few_at_a_time(src, tmp_path, monkeypatch):
+    """Each copy is closed first (a watching daemon reads it then), synced later through a
+    descriptor opened before that close, all before the manifest is written."""
+    monkeypatch.setattr(publish_module, "KEPT_OPEN", 2)  # and a few at a time
+    events: list[str] = []
+    real_fsync, real_write = os.fsync, publish_module.write_synced
+
+    def fsync(fd: int) -> None:
+        events.append("sync " + os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(
+        publish_module, "write_synced", lambda p, d: (events.append("manifest"), real_write(p, d))
+    )
+    for extra in ("a.json", "b.json", "c.json"):
+        (src / extra).write_text("{}")
+    publish(src, tmp_path / "root", name="v1")
+    copied = sorted(p.name for p in src.iterdir())
+    synced = [e.removeprefix("sync ") for e in events[: events.index("manifest")] if e.startswith("sync ")]
+    assert sorted(synced) == copied

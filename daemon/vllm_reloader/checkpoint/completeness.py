@@ -146,7 +146,7 @@ def fingerprint(listing: Listing, convention: Convention) -> str:
     if concrete.mode == "manifest":
         return fingerprint_of(listing.whole(MANIFEST_NAME)) if MANIFEST_NAME in listing.top() else ""
     if concrete.mode == "auto":  # nothing says it is complete yet: no content, but a trainer's own format's
-        return found[1] if (found := _foreign_found(listing, convention)) else ""
+        return found[1] if (found := foreign_content(listing, convention)) else ""
     files = _wanted_files(listing, convention)
     if convention.mode == "auto":  # see the module's docstring
         files = {n: e for n, e in files.items() if is_top_level_shard(n) or n in CONTENT_METADATA}
@@ -198,14 +198,14 @@ def describe(listing: Listing, convention: Convention, now: float) -> Listed | I
 
 def _foreign(listing: Listing, convention: Convention) -> Incomplete | None:
     """A trainer's own format (`conventions.foreign`): pending, with `convert` once it is whole."""
-    found = _foreign_found(listing, convention)
+    found = foreign_content(listing, convention)
     if found is None:
         return None
     (what, fp) = found
     return Incomplete("pending", what.reason, fp, convert=what.format if what.complete else "")
 
 
-def _foreign_found(listing: Listing, convention: Convention) -> tuple[Foreign, str] | None:
+def foreign_content(listing: Listing, convention: Convention) -> tuple[Foreign, str] | None:
     """In a directory: a trainer's own format, and its content — every file's name, size and
     time, and the root's trackers (a rejected conversion is not run again on the same)."""
     if not isinstance(listing, DirectoryListing):

@@ -115,6 +115,11 @@ class SourceConfig(_Section):
             raise ValueError(
                 "converter: works on a local root only (an object store's files are not downloaded)"
             )
+        if self.completeness != "auto":
+            raise ValueError(
+                f'converter: needs completeness = "auto" (with "{self.completeness}" no trainer\'s own '
+                "format is ever whole)"
+            )
         if not any("{output}" in arg for arg in self.converter):
             raise ValueError("converter: no {output} argument: where would it write the safetensors?")
         if shutil.which(self.converter[0]) is None:

@@ -218,6 +218,9 @@ class Catalog:
         base = order.base_name(name)
         before = self.rejected.get(base)
         earlier = () if before is None else (before.fingerprint, *before.earlier)
+        source, prefix = self.candidates.get(base), order.split_placed(name)[1]
+        if prefix and source is not None and source.fingerprint.startswith(prefix):  # converted from it
+            earlier = (source.fingerprint, *earlier)  # the trainer's own directory stops waiting too
         earlier = tuple(fp for fp in dict.fromkeys(earlier) if fp != fingerprint)[: REJECTED_PER_NAME - 1]
         self.rejected[base] = Rejection(
             version=version, reason=reason, fingerprint=fingerprint, at=time.time(), earlier=earlier

@@ -62,7 +62,7 @@ def directory(section_key: tuple[str, str], path: Path, *, write: bool, of: Path
     if not os.access(path, need, effective_ids=_EFFECTIVE):
         why = (
             " ([source] converter places its output there; systemd: ReadWritePaths=)"
-            if write and key == "source.path"
+            if write and section_key == ("source", "path")
             else ""
         )
         raise ConfigError(f"{where}: not {what} by this user (uid {os.geteuid()}){why}; chown or chmod it")

@@ -40,8 +40,13 @@ def _other_content(
 ) -> bool:
     return any(
         c.fingerprint != known.fingerprint and version_of(root / name) == version
-        for name, c in candidates.items()
+        for name, c in _loadable(candidates).items()
     )
+
+
+def _loadable(candidates: Mapping[str, order.Candidate]) -> dict[str, order.Candidate]:
+    """All but a converter's inputs (a trainer's own format): their version is their output's."""
+    return {n: c for n, c in candidates.items() if order.placed_name(n, c.fingerprint) not in candidates}
 
 
 def serving(
@@ -82,7 +87,7 @@ def serving(
             return known
         # Another engine's record, and the version names several contents: which is unknown.
         return known.model_copy(update={"fingerprint": UNKNOWN_CONTENT, "since": now})
-    for name, candidate in candidates.items():
+    for name, candidate in _loadable(candidates).items():
         if version_of(root / name) == engine_version:
             return Loaded(
                 name=name,

@@ -2,13 +2,17 @@
 converter command, then placed into the root like a download.
 
 The gate says when such a checkpoint is whole by its trainer's rule (`conventions.foreign`)
-and what its content is. Each content is converted once, on this thread (a conversion takes
-minutes), into `ROOT/.converting-NAME@<fp>/output` (dot-named: no watcher or gate looks at
-it). On success the output gets a manifest (its files' sizes and blake3), is synced, and
-one rename places it as `ROOT/NAME@<fp>`, which orders as NAME and is gated like any
-checkpoint. On failure (an exit status, a timeout, no safetensors written) that content is
-rejected with the converter's last lines; new content is converted again. Stopping the
-daemon kills a running converter and records nothing: it runs again after the restart.
+and what its content is (every file's name, size and time). Each content is converted once,
+on this thread (a conversion takes minutes), into `ROOT/.converting-NAME@<fp>/output`
+(dot-named: no watcher or gate looks at it). Its content is checked again before the
+command runs and after it exits: a checkpoint written again meanwhile is dropped, not
+converted half-old, and its new content is converted next. On success every output file is
+synced and listed in a manifest (sizes, blake3), and one rename places it as
+`ROOT/NAME@<fp>`, which orders as NAME (with the step its name ends in) and is gated like any
+checkpoint. The command failing on it (an exit status, a timeout, no safetensors) rejects
+that content with its last lines; what is not about the checkpoint (killed by a signal: out
+of memory; a disk error) is tried again after a backoff. Stopping kills a running command,
+records nothing, and the next start sweeps what it left.
 """
 
 from __future__ import annotations
@@ -32,20 +36,26 @@ from typing import BinaryIO
 import blake3
 
 from .. import log
-from ..checkpoint import order
+from ..checkpoint import completeness, order
+from ..checkpoint.completeness import DirectoryListing
+from ..checkpoint.conventions import Convention
 from ..checkpoint.files import is_top_level_shard, open_regular
 from ..checkpoint.gate import Verdict
 from ..checkpoint.manifest import MANIFEST_NAME, Manifest, ManifestFile, dumps
-from ..config import SourceConfig
+from ..config import API_KEY_ENV, SourceConfig
 from .download import place
 from .remote import Downloaded, Rejected
 
 CHECK = "converter"
 STAGING_PREFIX = ".converting-"
+LOCK_SUFFIX = ".lock"
 TAIL_LINES = 8
 TAIL_CHARS = 1500
 HASH_CHUNK = 16 << 20
+RETRY = (60.0, 3600.0)
+"""Backoff after a failure that is not the checkpoint's (first, most), in seconds."""
 PLACEHOLDER = re.compile(r"\{(input|output|format|name)\}")
+TRAILING_NUMBER = re.compile(r"(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,10 @@ class Conversion:
         return order.placed_name(self.name, self.fingerprint)
 
 
+class _Again(Exception):
+    """Not the checkpoint's fault: try it again after a backoff."""
+
+
 class Converter:
     """Runs `[source] converter` on whole foreign checkpoints, one at a time, and posts
     `Downloaded` (placed: gate it) or `Rejected` to the loop."""
@@ -71,7 +85,10 @@ class Converter:
     ) -> None:
         self.source, self.root, self.post = source, root, post
         self.asked: set[tuple[str, str]] = set()
-        """(name, fingerprint) submitted since start: each content is converted once."""
+        """(name, fingerprint) submitted since start: each content is converted once..."""
+        self.retry_at: dict[tuple[str, str], tuple[float, float]] = {}
+        """...unless it failed for a reason not its own: (when to try again, the backoff)."""
+        self._lock = threading.Lock()
         self.stop = threading.Event()
         self.log = log.get()
         self._jobs: queue.SimpleQueue[Conversion | None] = queue.SimpleQueue()
@@ -83,17 +100,28 @@ class Converter:
 
     def consider(self, name: str, directory: Path, verdict: Verdict) -> None:
         """From the loop, on each verdict: converts what the gate found whole (`convert`)."""
-        kind, fingerprint = verdict.details.get("convert"), verdict.fingerprint
+        kind, fingerprint, key = (
+            verdict.details.get("convert"),
+            verdict.fingerprint,
+            (name, verdict.fingerprint),
+        )
         if verdict.status != "pending" or not isinstance(kind, str) or not fingerprint:
             return
-        if not self.source.converter or (name, fingerprint) in self.asked:
+        if not self.source.converter or directory.parent != self.root:  # a SIGHUP moved the root
             return
-        self.asked.add((name, fingerprint))
+        with self._lock:
+            again = self.retry_at.get(key)
+            if key in self.asked and (again is None or time.monotonic() < again[0]):
+                return
+            self.asked.add(key)
         job = Conversion(name, fingerprint, directory, kind, self.root)
-        self.log.info("checkpoint.converting", name=name, format=kind, into=job.placed)
+        self.log.info(
+            "checkpoint.converting", name=name, format=kind, into=job.placed, queued=not self._jobs.empty()
+        )
         self._jobs.put(job)
 
     def start(self) -> None:
+        _sweep(self.root)
         self._thread.start()
 
     def is_alive(self) -> bool:
@@ -109,38 +137,69 @@ class Converter:
         while (job := self._jobs.get()) is not None and not self.stop.is_set():
             try:
                 result = self._convert(job)
+            except _Again as exc:
+                self._later(job, str(exc))
+                continue
             except Exception as exc:  # a bug: this content only; the thread goes on
                 result = self._rejected(job, f"internal error: {type(exc).__name__}: {exc}")
             if result is not None:
                 self.post(result)
 
+    def _later(self, job: Conversion, reason: str) -> None:
+        key = (job.name, job.fingerprint)
+        with self._lock:
+            backoff = min(self.retry_at.get(key, (0.0, RETRY[0] / 2))[1] * 2, RETRY[1])
+            self.retry_at[key] = (time.monotonic() + backoff, backoff)
+        self.log.warning(
+            "checkpoint.convert_failed", name=job.name, reason=reason[:TAIL_CHARS], retry_in_s=backoff
+        )
+
     def _rejected(self, job: Conversion, reason: str) -> Rejected:
         return Rejected(job.name, "", reason[:TAIL_CHARS], job.fingerprint, CHECK)
 
+    def _still(self, job: Conversion) -> bool:
+        """Whether the input is still whole with the content it was asked for."""
+        convention = Convention(self.source.completeness, self.source.markers, converter=True)
+        try:
+            found = completeness.foreign_content(DirectoryListing(job.directory), convention)
+        except OSError:
+            return False
+        return found is not None and found[0].complete and found[1] == job.fingerprint
+
+    def _dropped(self, job: Conversion, why: str) -> None:
+        with self._lock:
+            self.asked.discard((job.name, job.fingerprint))
+        self.log.info("checkpoint.convert_dropped", name=job.name, reason=why)
+
     def _convert(self, job: Conversion) -> Downloaded | Rejected | None:
         staging = job.root / f"{STAGING_PREFIX}{job.placed}"
-        with _owned(staging.with_name(staging.name + ".lock")) as owned:
-            if os.path.lexists(job.root / job.placed):  # converted before (a restart, another daemon)
-                return Downloaded(job.placed)
-            if not owned:  # another daemon on this root converts it: its output shows up here
-                return None
-            shutil.rmtree(staging, ignore_errors=True)  # what a crash or a stop left
-            try:
-                return self._converted(job, staging)
-            except OSError as exc:
-                return self._rejected(
-                    job, f"converting into {exc.filename or staging}: {exc.strerror or exc}"
-                )
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-                staging.with_name(staging.name + ".lock").unlink(missing_ok=True)
+        try:
+            with _owned(staging.with_name(staging.name + LOCK_SUFFIX)) as owned:
+                if os.path.lexists(job.root / job.placed):  # converted before (a restart, another daemon)
+                    return Downloaded(job.placed)
+                if not owned:  # another daemon on this root converts it: its output shows up here
+                    return None
+                try:
+                    return self._converted(job, staging)
+                finally:
+                    shutil.rmtree(staging, ignore_errors=True)
+                    staging.with_name(staging.name + LOCK_SUFFIX).unlink(missing_ok=True)
+        except OSError as exc:  # the disk, not the checkpoint
+            raise _Again(f"converting into {exc.filename or staging}: {exc.strerror or exc}") from exc
 
     def _converted(self, job: Conversion, staging: Path) -> Downloaded | Rejected | None:
+        if not self._still(job):
+            self._dropped(job, "written again, or gone, since the gate saw it whole")
+            return None
+        shutil.rmtree(staging, ignore_errors=True)  # what a crash left
         output = staging / "output"
         staging.mkdir()
         failed = self._execute(job, staging, output)
         if failed is None:
             return None  # stopping
+        if not self._still(job):  # the command may have read some files old and some new
+            self._dropped(job, "written again while the converter ran")
+            return None
         if failed:
             return self._rejected(job, failed)
         if output.is_symlink() or not output.is_dir():
@@ -148,61 +207,67 @@ class Converter:
         entries = _files(output)
         if not any(is_top_level_shard(entry.path) for entry in entries):
             return self._rejected(job, "the converter exited 0 but wrote no .safetensors into {output}")
-        manifest = Manifest(format_version=1, version=job.name, files=tuple(entries))
+        step = int(found[1]) if (found := TRAILING_NUMBER.search(job.name)) else None
+        manifest = Manifest(format_version=1, version=job.name, step=step, files=tuple(entries))
         place(output, job.root, job.placed, (MANIFEST_NAME, dumps(manifest)))
         self.log.info("checkpoint.converted", name=job.name, placed=job.placed, bytes=manifest.total_bytes)
         return Downloaded(job.placed)
 
     def _execute(self, job: Conversion, staging: Path, output: Path) -> str | None:
-        """Runs the command: "" when it succeeded, why it failed, None when stopping."""
+        """Runs the command: "" when it succeeded, why it failed, None when stopping. Raises
+        `_Again` when it was killed by a signal (out of memory, most likely) or cannot start."""
         values = {
             "{input}": str(job.directory),
             "{output}": str(output),
             "{format}": job.format,
             "{name}": job.name,
         }
-        argv = [_substituted(arg, values) for arg in self.source.converter]
-        started = time.monotonic()
+        argv = [PLACEHOLDER.sub(lambda found: values[found[0]], arg) for arg in self.source.converter]
+        environment = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}  # it reads pickles
+        timeout, started = self.source.converter_timeout, time.monotonic()
         with (staging / "converter.log").open("w+b") as out:
-            process = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=staging,
-                start_new_session=True,  # its children are killed with it
-            )  # fmt: skip
+            try:
+                process = subprocess.Popen(
+                    argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=staging,
+                    env=environment, start_new_session=True,  # its children are killed with it
+                )  # fmt: skip
+            except (OSError, ValueError, IndexError) as exc:  # gone since the config was read; none set
+                raise _Again(f"the converter could not start: {exc}") from exc
             try:
                 while process.poll() is None:
                     if self.stop.wait(0.2):
                         return None
-                    if time.monotonic() - started > self.source.converter_timeout:
-                        return (
-                            f"the converter ran past converter_timeout ({self.source.converter_timeout:g} s)"
-                            + _tail(out)
-                        )
+                    if time.monotonic() - started > timeout:
+                        return f"the converter ran past converter_timeout ({timeout:g} s)" + _tail(out)
             finally:
-                if process.poll() is None:
-                    _kill(process)
+                _kill(process)  # whatever it started is gone before its output is read
+            if process.returncode < 0:
+                said = (
+                    signal.Signals(-process.returncode).name
+                    if -process.returncode in signal.valid_signals()
+                    else ""
+                )
+                raise _Again(
+                    f"the converter was killed by signal {-process.returncode} {said} (out of memory?)"
+                    + _tail(out)
+                )
             if process.returncode != 0:
                 return f"the converter exited with status {process.returncode}" + _tail(out)
         return ""
 
 
-def _substituted(arg: str, values: dict[str, str]) -> str:
-    """In one pass: a name that spells `{output}` stays as it is."""
-    return PLACEHOLDER.sub(lambda found: values[found[0]], arg)
-
-
 def _kill(process: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(30)  # one stuck in uninterruptible I/O is left behind, not waited on forever
 
 
 def _tail(out: BinaryIO) -> str:
     """`: ` and the converter's last lines (its output, read back from the log file)."""
     out.seek(max(0, out.seek(0, os.SEEK_END) - 64 * 1024))
-    lines = deque(
-        (line.strip() for line in out.read().decode(errors="replace").splitlines() if line.strip()),
-        TAIL_LINES,
-    )
+    text = out.read().decode(errors="replace")
+    lines = deque((line.strip() for line in text.splitlines() if line.strip()), TAIL_LINES)
     return ": " + " | ".join(lines) if lines else " (it printed nothing)"
 
 
@@ -222,9 +287,27 @@ def _owned(lock: Path) -> Iterator[bool]:
         os.close(fd)
 
 
+def _sweep(root: Path) -> None:
+    """Staging directories no live converter holds (a crash, a kill, a power cut left them)."""
+    try:
+        leftovers = [
+            p
+            for p in root.iterdir()
+            if p.name.startswith(STAGING_PREFIX) and not p.name.endswith(LOCK_SUFFIX)
+        ]
+    except OSError:
+        return
+    for staging in leftovers:
+        with contextlib.suppress(OSError), _owned(staging.with_name(staging.name + LOCK_SUFFIX)) as owned:
+            if owned:
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.with_name(staging.name + LOCK_SUFFIX).unlink(missing_ok=True)
+
+
 def _files(output: Path) -> list[ManifestFile]:
-    """Every regular file the converter wrote (no symlinks followed), with its size and blake3;
-    a manifest of its own is not one of them (the daemon writes the output's)."""
+    """Every regular file the converter wrote (no symlinks followed), with its size and blake3,
+    each synced to the disk (the placing rename must not outrun its data); a manifest of its
+    own is not one of them (the daemon writes the output's)."""
     entries = []
     for path in sorted(output.rglob("*")):
         if path.is_symlink() or not path.is_file() or path.relative_to(output).as_posix() == MANIFEST_NAME:
@@ -235,6 +318,7 @@ def _files(output: Path) -> list[ManifestFile]:
             while chunk := os.read(fd, HASH_CHUNK):
                 hasher.update(chunk)
                 size += len(chunk)
+            os.fsync(fd)
         finally:
             os.close(fd)
         entries.append(

@@ -24,6 +24,8 @@ from ..durable import fsync_dir, write_synced
 from ..errors import PublishError
 
 COPY_CHUNK = 8 << 20
+KEPT_OPEN = 256
+"""Copies whose descriptors are held for the sync at once, at most (the open-file limit)."""
 OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt")
 """Weights in a format the reload cannot take (pickled torch), named when no safetensors is there."""
 
@@ -64,27 +66,33 @@ def _hash_and_sync(path: Path) -> tuple[str, int]:
     return str(hasher.hexdigest()), size
 
 
-def _copy_and_hash(src: Path, dst: Path) -> tuple[str, int]:
-    """Copy one file and return its blake3 and size from the same pass over the bytes. It is
-    closed unsynced (see `_sync`): the close is what tells a watching daemon to read it."""
+def _copy_and_hash(src: Path, dst: Path) -> tuple[str, int, int]:
+    """Copy one file; its blake3 and size from the same pass over the bytes, and a read-only
+    descriptor of the copy, opened before the writer's is closed (see `_sync`)."""
     hasher, size = blake3.blake3(), 0
     with src.open("rb") as fin, dst.open("wb") as fout:
         while chunk := fin.read(COPY_CHUNK):
             hasher.update(chunk)
             fout.write(chunk)
             size += len(chunk)
-    return str(hasher.hexdigest()), size
+        fout.flush()
+        kept = os.open(dst, os.O_RDONLY | os.O_CLOEXEC)
+    return str(hasher.hexdigest()), size, kept
 
 
-def _sync(path: Path) -> None:
-    """fsync a closed file (Linux syncs a file's dirty pages through any descriptor). Done
-    after every copy closed, the daemon verifies each shard while the disk takes the lot:
-    syncing before the close made a 1 GB shard's whole hash wait for the manifest."""
-    fd = os.open(path, os.O_RDONLY)
+def _sync(kept: list[int]) -> None:
+    """fsync copies through descriptors opened before their writers closed: the close is what
+    tells a watching daemon to read a shard (so it verifies each while the disk takes the lot;
+    syncing before the close made a 1 GB shard's whole hash wait for the manifest), and a
+    descriptor open since then still hears of a write-back error (Linux syncs a file's dirty
+    pages through any descriptor)."""
     try:
-        os.fsync(fd)
+        for fd in kept:
+            os.fsync(fd)
     finally:
-        os.close(fd)
+        for fd in kept:
+            os.close(fd)
+        kept.clear()
 
 
 def _renamed(src: Path, dst: Path) -> bool:
@@ -137,6 +145,7 @@ def publish(
     entries: list[ManifestFile] = []
     moved: list[Path] = []  # renamed into incoming: put back on any failure (--move)
     copied: list[Path] = []
+    kept: list[int] = []  # the copies' descriptors, synced together (at most KEPT_OPEN at a time)
     try:
         for path in files:
             relative = path.relative_to(src).as_posix()
@@ -146,11 +155,13 @@ def publish(
                 moved.append(path)
                 digest, size = _hash_and_sync(dst)
             else:  # a copy (or a move across filesystems: the source goes once published)
-                digest, size = _copy_and_hash(path, dst)
+                digest, size, fd = _copy_and_hash(path, dst)
+                kept.append(fd)
                 copied.append(path)
+                if len(kept) >= KEPT_OPEN:
+                    _sync(kept)
             entries.append(ManifestFile(path=relative, size=size, blake3=digest))
-        for path in copied:
-            _sync(incoming / path.relative_to(src))
+        _sync(kept)
         manifest = Manifest(format_version=1, version=name, step=step, files=tuple(entries))
         write_synced(incoming / MANIFEST_NAME, dumps(manifest))
         for directory in {(incoming / e.path).parent for e in entries}:
@@ -162,6 +173,8 @@ def publish(
                 raise PublishError(f"{final} already exists; versions are never overwritten") from exc
             raise
     except BaseException as exc:
+        for fd in kept:
+            os.close(fd)
         if stranded := _put_back(moved, src, incoming):  # never delete what could not go back
             raise PublishError(
                 f"publishing {name} failed ({exc}); {len(stranded)} moved files could not be put back "
