@@ -275,11 +275,15 @@ def test_e2e_cli_pin_and_unpin_steer_the_real_engine(world: World):
     assert world.engine.complete() == world.fresh_a
     assert json.loads(cli("status", "--json").stdout)["pinned"] == "step-1"
 
+    back_before = len(world.daemon.events("reload.succeeded", version=newest))
     assert cli("unpin").returncode == 0
     deadline = time.monotonic() + 60
-    while world.engine.weight_version() != newest:
+    # Done once the daemon says so: the engine reports the new version while still paused,
+    # between the load and the resume (that window once made this test see it paused).
+    while len(world.daemon.events("reload.succeeded", version=newest)) == back_before:
         assert time.monotonic() < deadline, "unpin did not bring the newest back"
         time.sleep(0.1)
+    assert world.engine.weight_version() == newest
     world.assert_unchanged()
 
 

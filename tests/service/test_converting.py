@@ -18,7 +18,9 @@ def _dcp(directory, *, whole: bool = True):
 
 
 def test_daemon_converts_a_whole_dcp_checkpoint_and_serves_the_output(start, root, tmp_path, make_checkpoint):
-    make_checkpoint("step-1", root=root)
+    """...and the next one after it: a trainer's checkpoint orders by the step its name ends
+    in, as its output will (published step-1 serving first)."""
+    make_checkpoint("step-1", step=1, root=root)
     made = make_checkpoint("src", root=tmp_path / "made", seed=2, shards=2)
     engine = FakeEngine(startup=str(root / "step-1"))
     running = start(engine, converter=converter(tmp_path, "copy", COPYING, made))
@@ -31,8 +33,11 @@ def test_daemon_converts_a_whole_dcp_checkpoint_and_serves_the_output(start, roo
     done = running.wait_for("reload.succeeded", path=str(root / converted["placed"]))
     assert done["version"] == "step-2"
     assert engine.loaded == str(root / converted["placed"])
+    _dcp(root / "step-3")
+    converted = running.wait_for("checkpoint.converted", name="step-3")
+    running.wait_for("reload.succeeded", path=str(root / converted["placed"]))
     time.sleep(0.5)
-    assert len(running.events("checkpoint.converting")) == 1
+    assert len(running.events("checkpoint.converting")) == 2
     assert not running.events("checkpoint.rejected")
 
 

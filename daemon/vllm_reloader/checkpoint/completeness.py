@@ -51,6 +51,7 @@ from .conventions import (
     Convention,
     Foreign,
     foreign,
+    name_step,
     resolved,
     signal_name,
     waiting_reason,
@@ -161,17 +162,21 @@ def fingerprint(listing: Listing, convention: Convention) -> str:
 
 def candidate(name: str, listing: Listing, convention: Convention) -> order.Candidate:
     """Name, step and fingerprint: enough to order candidates without gating them.
-    Foreign writers' checkpoints have no step of ours: they order by name."""
+    Foreign writers' checkpoints have no step of ours: they order by name; but a trainer's own
+    format has the step its converted output will have (`name_step`), to be converted in turn."""
     try:
         fp = fingerprint(listing, convention)
     except OSError:
         return order.Candidate(name, None, "")
     step = None
-    if fp and resolved(listing.top(), convention).mode == "manifest":
+    mode = resolved(listing.top(), convention).mode
+    if fp and mode == "manifest":
         try:
             step = parse_manifest(listing.whole(MANIFEST_NAME)).step
         except (OSError, NotJSONYet, ManifestInvalid):
             step = None
+    elif fp and mode == "auto":  # nothing else says it is whole: a trainer's own format
+        step = name_step(name)
     return order.Candidate(name, step, fp)
 
 

@@ -119,6 +119,16 @@ MEGATRON_METADATA = "metadata.json"
 MEGATRON_LEGACY_FILE = "mp_rank_00/model_optim_rng.pt"
 """Megatron's legacy format: one `mp_rank_XX/` folder of pickled state per model-parallel rank."""
 TRACKERS = (DEEPSPEED_TRACKER, MEGATRON_TRACKER)
+_TRAILING_NUMBER = re.compile(r"(\d+)$")
+
+
+def name_step(name: str) -> int | None:
+    """The step a converted trainer's checkpoint gets: the number its name ends in
+    (`global_step100`, `iter_0000100`, `step-100`)."""
+    found = _TRAILING_NUMBER.search(name)
+    return int(found[1]) if found else None
+
+
 _ITERATION = re.compile(r"iter_0*(\d+)")
 
 

@@ -38,7 +38,7 @@ import blake3
 from .. import log
 from ..checkpoint import completeness, order
 from ..checkpoint.completeness import DirectoryListing
-from ..checkpoint.conventions import Convention
+from ..checkpoint.conventions import Convention, name_step
 from ..checkpoint.files import is_top_level_shard, open_regular
 from ..checkpoint.gate import Verdict
 from ..checkpoint.manifest import MANIFEST_NAME, Manifest, ManifestFile, dumps
@@ -55,7 +55,6 @@ HASH_CHUNK = 16 << 20
 RETRY = (60.0, 3600.0)
 """Backoff after a failure that is not the checkpoint's (first, most), in seconds."""
 PLACEHOLDER = re.compile(r"\{(input|output|format|name)\}")
-TRAILING_NUMBER = re.compile(r"(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -207,8 +206,9 @@ class Converter:
         entries = _files(output)
         if not any(is_top_level_shard(entry.path) for entry in entries):
             return self._rejected(job, "the converter exited 0 but wrote no .safetensors into {output}")
-        step = int(found[1]) if (found := TRAILING_NUMBER.search(job.name)) else None
-        manifest = Manifest(format_version=1, version=job.name, step=step, files=tuple(entries))
+        manifest = Manifest(
+            format_version=1, version=job.name, step=name_step(job.name), files=tuple(entries)
+        )
         place(output, job.root, job.placed, (MANIFEST_NAME, dumps(manifest)))
         self.log.info("checkpoint.converted", name=job.name, placed=job.placed, bytes=manifest.total_bytes)
         return Downloaded(job.placed)
