@@ -146,11 +146,14 @@ def _files(directory: Path, *names: str) -> Path:
 
 
 def test_deepspeed_checkpoint_is_whole_once_latest_names_it(tmp_path: Path):
-    """DeepSpeed's order: `global_stepN/` (model states, then each rank's ZeRO partition),
-    then the tag into `<save_dir>/latest`, then zero_to_fp32.py beside it."""
+    """DeepSpeed's order, as inotify saw DeepSpeed 0.19.8's `save_checkpoint` (CPU, ZeRO 2):
+    `global_stepN/`, its model states, each rank's ZeRO partition; `zero_to_fp32.py` and
+    `zero_to_torch.py` into the save dir; the tag into `<save_dir>/latest` last."""
     step = _files(tmp_path / "global_step20", "mp_rank_00_model_states.pt")
     assert converts(step) is None
     _files(step, "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    assert converts(step) is None
+    _files(tmp_path, "zero_to_fp32.py", "zero_to_torch.py")
     assert converts(step) is None
     (tmp_path / "latest").write_text("global_step10")  # the save before: not this one
     assert converts(step) is None
