@@ -1,0 +1,129 @@
+"""The gate for a LoRA adapter: each check refuses what vLLM would load and suffer from."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from tests.support.adapters import BASE, MODULES, write_adapter
+from vllm_reloader.checkpoint import adapter
+
+SERVED = adapter.Served(weights=BASE, dtype="BF16", max_rank=8, model="org/tiny-llama")
+UP_A = f"base_model.model.{MODULES[0]}.lora_A.weight"
+UP_B = f"base_model.model.{MODULES[0]}.lora_B.weight"
+
+
+def test_adapter_gate_passes_a_well_made_adapter(tmp_path):
+    verdict = adapter.check(write_adapter(tmp_path / "v1"), SERVED)
+    assert (verdict.status, verdict.rank, verdict.modules) == ("ready", 4, 1)
+
+
+def test_adapter_gate_takes_target_modules_as_a_regex_over_whole_module_names(tmp_path):
+    regex = r".*\.mlp\.up_proj"
+    assert adapter.check(write_adapter(tmp_path / "a", targets=regex), SERVED).status == "ready"
+    partial = adapter.check(write_adapter(tmp_path / "b", targets=r"mlp"), SERVED)
+    assert partial.check == "modules" and "target_modules" in partial.reason
+
+
+@pytest.mark.parametrize(
+    ("made", "check", "said"),
+    [
+        ({"rank": 16}, "rank", "over the engine's max LoRA rank 8"),
+        (
+            {
+                "modules": ("model.layers.0.mlp.gate_proj",),
+                "base": {**BASE, "model.layers.0.mlp.gate_proj.weight": (32, 8)},
+            },
+            "modules",
+            "not a module of the served model",
+        ),
+        ({"targets": ("down_proj",)}, "modules", "not one of adapter_config.json's target_modules"),
+        (
+            {"overrides": {UP_A: np.zeros((4, 9), np.float32)}},
+            "shapes",
+            "do not adapt the served weight [32, 8]",
+        ),
+        ({"overrides": {UP_B: np.zeros((32, 3), np.float32)}}, "shapes", "at r = 4"),
+        ({"overrides": {UP_A: np.zeros((4, 8), np.float64)}}, "dtype", "is F64"),
+        (
+            {"overrides": {"base_model.model.lm_head.weight": np.zeros((16, 8), np.float32)}},
+            "modules",
+            "not a LoRA",
+        ),
+        (
+            {"config": {"base_model_name_or_path": "org/another-model"}},
+            "base_model",
+            "the engine serves 'org/tiny-llama'",
+        ),
+        ({"config": {"peft_type": "IA3"}}, "config", "not LORA"),
+        ({"config": {"r": 0}}, "config", "r must be a positive integer"),
+        ({"config": {"target_modules": "(unclosed"}}, "config", "not a valid regex"),
+        ({"config": {"lora_alpha": "eight"}}, "config", "lora_alpha must be a finite number"),
+    ],
+)
+def test_adapter_gate_rejects_naming_the_check(tmp_path, made, check, said):
+    verdict = adapter.check(write_adapter(tmp_path / "v", **made), SERVED)
+    assert (verdict.status, verdict.check) == ("rejected", check), verdict
+    assert said in verdict.reason and "\n" not in verdict.reason
+
+
+def test_adapter_gate_rejects_a_missing_half(tmp_path):
+    from safetensors.numpy import save_file
+
+    directory = write_adapter(tmp_path / "v")
+    save_file({UP_A: np.zeros((4, 8), np.float32)}, str(directory / "adapter_model.safetensors"))
+    verdict = adapter.check(directory, SERVED)
+    assert verdict.check == "modules" and "lora_B is missing" in verdict.reason
+
+
+def test_adapter_gate_accepts_the_same_base_model_named_by_another_path(tmp_path):
+    named = write_adapter(tmp_path / "v", config={"base_model_name_or_path": "/models/Tiny-Llama/"})
+    assert adapter.check(named, SERVED).status == "ready"
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_adapter_gate_rejects_non_finite_weights(tmp_path, bad):
+    values = np.full((32, 4), 0.01, np.float32)
+    values[31, 3] = bad
+    verdict = adapter.check(write_adapter(tmp_path / "v", overrides={UP_B: values}), SERVED)
+    assert verdict.check == "non_finite" and UP_B in verdict.reason
+
+
+def test_adapter_gate_rejects_finite_weights_whose_update_overflows_the_serving_dtype(tmp_path):
+    """vLLM 0.32 took such an adapter (lora_B at ±3e38) and then failed every request."""
+    values = np.full((32, 4), 3e38, np.float32)
+    verdict = adapter.check(write_adapter(tmp_path / "v", overrides={UP_B: values}, scale=1.0), SERVED)
+    assert verdict.check == "overflow" and MODULES[0] in verdict.reason and "BF16" in verdict.reason
+
+
+def test_adapter_gate_judges_the_update_exactly_where_the_cheap_bound_is_over(tmp_path):
+    """Rows of B that cancel against A: the bound (|B| row sum x max |A|) is past float16's
+    range, the update itself is zero: ready in float16, but an adapter really that large is not."""
+    served = adapter.Served(weights=BASE, dtype="F16", max_rank=8)
+    b = np.tile(np.array([[300.0, -300.0, 0.0, 0.0]], np.float32), (32, 1))
+    a = np.full((4, 8), 300.0, np.float32)
+    cancelling = write_adapter(tmp_path / "ok", overrides={UP_A: a, UP_B: b}, alpha=4)
+    assert adapter.check(cancelling, served).status == "ready"
+    b[0, 1] = 300.0  # one row that no longer cancels: 300 x 300 x 2 = 180000 > 65504
+    verdict = adapter.check(write_adapter(tmp_path / "bad", overrides={UP_A: a, UP_B: b}, alpha=4), served)
+    assert verdict.check == "overflow" and "1.8e+05" in verdict.reason
+
+
+def test_adapter_gate_waits_for_files_still_being_written(tmp_path):
+    directory = write_adapter(tmp_path / "v")
+    (directory / "adapter_model.safetensors").unlink()
+    assert adapter.check(directory, SERVED).status == "pending"
+    write_adapter(directory)
+    (directory / "adapter_config.json").write_text('{"r": 4, "lora_al')
+    assert adapter.check(directory, SERVED).status == "pending"
+    later = adapter.check(directory, SERVED, now=time.time() + 60)  # never finished
+    assert later.check == "config" and "is not JSON" in later.reason
+
+
+@pytest.mark.parametrize("config", ["[" * 100_000, json.dumps({"r": 4, "pad": "x" * (2 << 20)})])
+def test_adapter_gate_rejects_a_config_nested_too_deep_or_too_large_without_stopping(tmp_path, config):
+    directory = write_adapter(tmp_path / "v")
+    (directory / "adapter_config.json").write_text(config)
+    verdict = adapter.check(directory, SERVED)
+    assert verdict.status in ("rejected", "pending") and "\n" not in verdict.reason
