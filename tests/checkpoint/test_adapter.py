@@ -119,6 +119,12 @@ def test_adapter_gate_waits_for_files_still_being_written(tmp_path):
     assert adapter.check(directory, SERVED).status == "pending"
     later = adapter.check(directory, SERVED, now=time.time() + 60)  # never finished
     assert later.check == "config" and "is not JSON" in later.reason
+    weights = directory / "adapter_model.safetensors"
+    whole = weights.read_bytes()
+    write_adapter(directory)  # a writer that puts the config first, then the weights
+    weights.write_bytes(whole[: len(whole) - 100])
+    short = adapter.check(directory, SERVED)
+    assert short.status == "pending" and "shorter than its header" in short.reason
 
 
 @pytest.mark.parametrize("config", ["[" * 100_000, json.dumps({"r": 4, "pad": "x" * (2 << 20)})])

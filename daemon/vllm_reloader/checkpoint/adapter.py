@@ -161,6 +161,11 @@ def _check(directory: Path, served: Served, now: float, grace: float) -> Adapter
             "base_model", f"trained on {config.base_model[:200]!r}, the engine serves {served.model[:200]!r}"
         )
     tensors = tensors_of(directory / WEIGHTS_NAME)
+    size, end = (directory / WEIGHTS_NAME).stat().st_size, max((t.end for t in tensors), default=0)
+    if size < end:
+        return AdapterVerdict(
+            "pending", f"{WEIGHTS_NAME} is shorter than its header says (still being written)"
+        )
     pairs = _pairs(tensors)
     if isinstance(pairs, AdapterVerdict):
         return pairs
