@@ -77,13 +77,14 @@ class Engine:
     def is_paused(self) -> bool:
         return bool(self.http.get("/is_paused").json()["is_paused"])
 
-    def complete(self) -> list[str]:
-        """Greedy completions of the fixed prompts, one request at a time (batch-invariant)."""
+    def complete(self, model: str = "tiny") -> list[str]:
+        """Greedy completions of the fixed prompts, one request at a time (batch-invariant);
+        `model`: the base model, or a LoRA adapter's name."""
         texts = []
         for prompt in PROMPTS:
             response = self.http.post(
                 "/v1/completions",
-                json={"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0},
+                json={"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0},
             )
             assert response.status_code == 200, response.text
             texts.append(response.json()["choices"][0]["text"])

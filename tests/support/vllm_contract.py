@@ -73,7 +73,7 @@ class Handler:
 
 
 def daemon_calls(source: str | None = None) -> list[Call]:
-    """Every `_call` / `_exchange` / `_optional` of the engine client, with the query
+    """Every `_call` / `_answered` / `_exchange` / `_optional` of the engine client, with the query
     parameters and JSON keys it sends (literal dict keys, or the first of literal pairs)."""
     tree = ast.parse(source if source is not None else Path(client.__file__).read_text())
     calls = []
@@ -83,7 +83,7 @@ def daemon_calls(source: str | None = None) -> list[Call]:
         strings = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
         if node.func.attr == "_optional" and strings:
             calls.append(Call("GET", strings[0], line=node.lineno))
-        elif node.func.attr in ("_call", "_exchange") and len(strings) >= 2:
+        elif node.func.attr in ("_call", "_exchange", "_answered") and len(strings) >= 2:
             keywords = {k.arg: k.value for k in node.keywords}
             calls.append(
                 Call(

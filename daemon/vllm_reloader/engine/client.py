@@ -88,7 +88,9 @@ class EngineClient:
             raise EngineUnavailable(f"{path}: no whole answer within {limit:g} s", endpoint=path)
         return response
 
-    def _call(self, method: str, path: str, *, timeout: float | None = None, **kwargs: Any) -> Any:
+    def _answered(
+        self, method: str, path: str, *, timeout: float | None = None, **kwargs: Any
+    ) -> httpx.Response:
         response = self._exchange(method, path, timeout or self.config.timeout, **kwargs)
         if response.status_code >= 400:
             detail = _error_text(response, 4096)  # parsed once; the message keeps 300 characters
@@ -98,6 +100,10 @@ class EngineClient:
                 status=response.status_code,
                 detail=detail,
             )
+        return response
+
+    def _call(self, method: str, path: str, *, timeout: float | None = None, **kwargs: Any) -> Any:
+        response = self._answered(method, path, timeout=timeout, **kwargs)
         if not response.content:
             return None
         try:
@@ -248,6 +254,19 @@ class EngineClient:
                 "/reset_prefix_cache: the engine could not reset its prefix cache (success: false)",
                 endpoint="/reset_prefix_cache",
             )
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """A LoRA adapter loaded under `name`, or the one of that name replaced in place (its
+        routes exist only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; it answers a sentence)."""
+        self._answered(
+            "POST",
+            "/v1/load_lora_adapter",
+            json={"lora_name": name, "lora_path": path, "load_inplace": True},
+            timeout=self.config.reload_timeout,
+        )
+
+    def unload_adapter(self, name: str) -> None:
+        self._answered("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
 
     def set_weight_version(self, version: str) -> None:
         self._call("POST", "/update_weight_version", json={"new_version": version})
