@@ -17,13 +17,17 @@ UP_B = f"base_model.model.{MODULES[0]}.lora_B.weight"
 def test_adapter_gate_passes_a_well_made_adapter(tmp_path):
     verdict = adapter.check(write_adapter(tmp_path / "v1"), SERVED)
     assert (verdict.status, verdict.rank, verdict.modules) == ("ready", 4, 1)
+    assert set(verdict.files) == {"adapter_config.json", "adapter_model.safetensors"}, (
+        "compared before the load"
+    )
 
 
-def test_adapter_gate_takes_target_modules_as_a_regex_over_whole_module_names(tmp_path):
-    regex = r".*\.mlp\.up_proj"
-    assert adapter.check(write_adapter(tmp_path / "a", targets=regex), SERVED).status == "ready"
-    partial = adapter.check(write_adapter(tmp_path / "b", targets=r"mlp"), SERVED)
-    assert partial.check == "modules" and "target_modules" in partial.reason
+def test_adapter_gate_never_runs_an_adapters_regex_but_still_checks_its_modules(tmp_path):
+    """A `target_modules` regex is the writer's own (vLLM ignores it): a catastrophic one
+    costs nothing here; the modules themselves are still checked against the served model."""
+    started = time.monotonic()
+    verdict = adapter.check(write_adapter(tmp_path / "a", targets=r"(.|.)*(?:(?:.*)*)*X"), SERVED)
+    assert verdict.status == "ready" and time.monotonic() - started < 5
 
 
 @pytest.mark.parametrize(
@@ -58,7 +62,12 @@ def test_adapter_gate_takes_target_modules_as_a_regex_over_whole_module_names(tm
         ),
         ({"config": {"peft_type": "IA3"}}, "config", "not LORA"),
         ({"config": {"r": 0}}, "config", "r must be a positive integer"),
-        ({"config": {"target_modules": "(unclosed"}}, "config", "not a valid regex"),
+        ({"config": {"use_dora": True}}, "config", "DoRA is set"),
+        ({"config": {"bias": "all"}}, "config", "without biases only"),
+        ({"config": {"modules_to_save": ["lm_head"]}}, "config", "modules_to_save is set"),
+        ({"config": {"use_rslora": "yes"}}, "config", "use_rslora must be true or false"),
+        ({"config": {"rank_pattern": {".*up_proj": 2}}}, "config", "is a regex"),
+        ({"config": {"rank_pattern": {"up_proj": 16}}}, "rank", "r = 16 is over"),
         ({"config": {"lora_alpha": "eight"}}, "config", "lora_alpha must be a finite number"),
     ],
 )
@@ -97,17 +106,57 @@ def test_adapter_gate_rejects_finite_weights_whose_update_overflows_the_serving_
     assert verdict.check == "overflow" and MODULES[0] in verdict.reason and "BF16" in verdict.reason
 
 
-def test_adapter_gate_judges_the_update_exactly_where_the_cheap_bound_is_over(tmp_path):
-    """Rows of B that cancel against A: the bound (|B| row sum x max |A|) is past float16's
-    range, the update itself is zero: ready in float16, but an adapter really that large is not."""
+def test_adapter_gate_gives_cancelling_factors_no_credit(tmp_path):
+    """vLLM computes (x·Aᵀ)·Bᵀ, never B·A: rows of B that cancel against A still overflow
+    there, so the bound (max row sum of |B·scale| x max |A|) decides, not the product."""
     served = adapter.Served(weights=BASE, dtype="F16", max_rank=8)
     b = np.tile(np.array([[300.0, -300.0, 0.0, 0.0]], np.float32), (32, 1))
     a = np.full((4, 8), 300.0, np.float32)
-    cancelling = write_adapter(tmp_path / "ok", overrides={UP_A: a, UP_B: b}, alpha=4)
-    assert adapter.check(cancelling, served).status == "ready"
-    b[0, 1] = 300.0  # one row that no longer cancels: 300 x 300 x 2 = 180000 > 65504
-    verdict = adapter.check(write_adapter(tmp_path / "bad", overrides={UP_A: a, UP_B: b}, alpha=4), served)
-    assert verdict.check == "overflow" and "1.8e+05" in verdict.reason
+    verdict = adapter.check(write_adapter(tmp_path / "v", overrides={UP_A: a, UP_B: b}, alpha=4), served)
+    assert verdict.check == "overflow" and "the update" in verdict.reason and "1.8e+05" in verdict.reason
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "alpha", "said"),
+    [
+        (1e6, 1e-8, 4, "lora_A reaches 1e+06"),  # A alone overflows float16 once converted
+        (1e-6, 6e4, 8, "lora_B x scale reaches 1.2e+05"),  # B times its scale (2) does
+    ],
+)
+def test_adapter_gate_rejects_a_factor_out_of_the_serving_dtypes_range(tmp_path, a, b, alpha, said):
+    served = adapter.Served(weights=BASE, dtype="F16", max_rank=8)
+    tensors = {UP_A: np.full((4, 8), a, np.float32), UP_B: np.full((32, 4), b, np.float32)}
+    verdict = adapter.check(write_adapter(tmp_path / "v", overrides=tensors, alpha=alpha), served)
+    assert verdict.check == "overflow" and said in verdict.reason
+
+
+def test_adapter_gate_applies_alpha_pattern_and_rank_pattern_per_module(tmp_path):
+    huge = write_adapter(tmp_path / "alpha", config={"alpha_pattern": {"up_proj": 1e42}})
+    assert adapter.check(huge, SERVED).check == "overflow"
+    narrow = write_adapter(tmp_path / "rank", rank=2, config={"r": 4, "rank_pattern": {"up_proj": 2}})
+    assert adapter.check(narrow, SERVED).status == "ready"
+
+
+def test_adapter_gate_rejects_a_module_adapted_twice_under_two_names(tmp_path):
+    """vLLM takes names with and without `base_model.model.`: it would load one copy, while a
+    gate keeping the other would have checked only that one."""
+    nan = np.full((4, 8), np.nan, np.float32)
+    directory = write_adapter(tmp_path / "v", overrides={f"{MODULES[0]}.lora_A.weight": nan})
+    verdict = adapter.check(directory, SERVED)
+    assert verdict.check == "modules" and "twice" in verdict.reason
+
+
+def test_adapter_gate_rejects_a_header_whose_offsets_do_not_fit_the_shapes(tmp_path):
+    directory = write_adapter(tmp_path / "v")
+    weights = directory / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    header[UP_A]["shape"] = [4, 16]  # 64 values where the bytes hold 32
+    encoded = json.dumps(header).encode()
+    weights.write_bytes(len(encoded).to_bytes(8, "little") + encoded + bytes(data[8 + length :]))
+    verdict = adapter.check(directory, SERVED)
+    assert verdict.status == "rejected" and verdict.check == "shapes"
 
 
 def test_adapter_gate_waits_for_files_still_being_written(tmp_path):

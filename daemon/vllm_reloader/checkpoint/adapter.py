@@ -5,18 +5,24 @@ every request on the engine: one of NaN weights made every base-model request fa
 finite on disk whose update overflows (`lora_B` holding ±3e38) made every request fail,
 the other adapters' included (vLLM 0.32, CPU). So nothing loads on a guess:
 
-- `adapter_config.json` read within bounds (size, nesting) and its schema checked: `r`, at
-  most the engine's `--max-lora-rank`; `lora_alpha`; `target_modules` (names or a regex);
-  `base_model_name_or_path` matching the model served, when both are known.
-- `adapter_model.safetensors`: every tensor a `lora_A`/`lora_B` pair of a module that
-  exists in the served model and matches its target modules, `A` of shape (r, in) and `B`
-  of (out, r) for a base weight of (out, in), in a dtype the engine takes.
-- Every value finite, and the update each pair makes, `B·A·alpha/r` (`alpha/√r` with
-  rsLoRA), within the serving dtype's range: bounded cheaply first (max row sum of |B| times
-  max |A|), computed exactly, a block of rows at a time, only where the bound is over.
+- `adapter_config.json` read within bounds (size, nesting) and checked as vLLM's
+  `PEFTHelper` would take it (LoRA only; no DoRA, bias or `modules_to_save`; `lora_alpha`
+  given): `r` (per module with `rank_pattern`) at most the engine's `--max-lora-rank`;
+  `base_model_name_or_path` matching the model served, when both are known. A
+  `target_modules` list must name the adapted modules (a regex is the writer's own: an
+  adapter's pattern is never run here).
+- `adapter_model.safetensors` whole (its header accounts for the file, as safetensors
+  checks): every tensor one `lora_A` or `lora_B` of a module of the served model, once,
+  `A` of (r, in) and `B` of (out, r) for a base weight of (out, in), in F32, F16 or BF16.
+- Every value finite, and within the serving dtype's range the way vLLM computes with it:
+  `A`, and `B` times the module's scale (`alpha/r`, `alpha/√r` with rsLoRA, `alpha_pattern`
+  per module), each converted to that dtype; and the update `B·A·scale` bounded by the max
+  row sum of |B·scale| times the max |A|. Cancelling factors get no credit: vLLM never forms
+  `B·A`, it computes `(x·Aᵀ)·Bᵀ`, where large factors overflow whatever their product.
 
-A verdict is data, as the checkpoint gate's: `ready`, `pending` (a file missing or short:
-still being written) or `rejected` with the check that failed.
+A verdict is data, as the checkpoint gate's: `ready` (with the files' identities, compared
+again before the load), `pending` (a file missing or short: still being written) or
+`rejected` with the check that failed.
 """
 
 from __future__ import annotations
@@ -26,14 +32,27 @@ import math
 import os
 import re
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeGuard
 
 import numpy as np
 
 from ..errors import LayoutUnreadable
-from .files import Tensor, open_regular, parse_json, read_exactly, read_small, tensors_of
+from .files import (
+    Header,
+    Identity,
+    Tensor,
+    identity,
+    layout_problem,
+    open_regular,
+    parse_json,
+    read_exactly,
+    read_header,
+    read_small,
+    reader,
+)
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -42,9 +61,16 @@ TAKEN_DTYPES = frozenset({"F32", "F16", "BF16"})
 """What vLLM's LoRA loader takes (it converts to the LoRA dtype)."""
 DTYPE_MAX = {"F32": float(np.finfo(np.float32).max), "BF16": 3.3895e38, "F16": 65504.0}
 PREFIX = "base_model.model."
-_PAIR = re.compile(r"(?P<module>.+)\.lora_(?P<part>[AB])(?:\.(?P<adapter>[^.]+))?\.weight")
-ROWS = 1024
-"""Rows of B multiplied at a time in the exact check (bounds its memory: ROWS x in floats)."""
+_PAIR = re.compile(r"(?P<module>.+)\.lora_(?P<part>[AB])\.weight")
+_LITERAL = re.compile(r"[\w.]+")
+"""A `rank_pattern`/`alpha_pattern` key taken here: a module name or suffix (no regex)."""
+UNSUPPORTED = {
+    "use_dora": "DoRA",
+    "modules_to_save": "modules_to_save",
+    "layer_replication": "layer_replication",
+    "lora_bias": "lora_bias",
+}
+"""Config keys vLLM's LoRA loader refuses when set (truthy)."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +80,7 @@ class Served:
     weights: Mapping[str, tuple[int, ...]]
     """The base model's weight shapes by tensor name (its checkpoint's headers)."""
     dtype: str = "BF16"
-    """The serving dtype (`DTYPE_MAX`): an update beyond its range overflows."""
+    """The serving dtype (`DTYPE_MAX`): a value or update beyond its range overflows."""
     max_rank: int = 16
     model: str | None = None
     """The base model's name or path, as an adapter's config would name it (None: not compared)."""
@@ -66,9 +92,11 @@ class AdapterVerdict:
     reason: str = ""
     check: str = ""
     """For `rejected`: which check failed (`config`, `rank`, `modules`, `shapes`, `dtype`,
-    `base_model`, `non_finite`, `overflow`)."""
+    `base_model`, `non_finite`, `overflow`, `io`)."""
     rank: int = 0
     modules: int = 0
+    files: Mapping[str, Identity] = field(default_factory=dict)
+    """`ready`: the identities of the two files as verified (`files.changed` before the load)."""
     details: dict[str, object] = field(default_factory=dict)
 
 
@@ -76,23 +104,57 @@ class AdapterVerdict:
 class Config:
     rank: int
     alpha: float
-    targets: tuple[str, ...] | str
-    """Module name suffixes, or one regex that must match a whole module name (PEFT's rule)."""
+    targets: tuple[str, ...] | None
+    """Module names or suffixes; None: a regex (the writer's own, never run here)."""
     rslora: bool
     base_model: str | None
+    rank_pattern: Mapping[str, int] = field(default_factory=dict)
+    alpha_pattern: Mapping[str, float] = field(default_factory=dict)
 
-    @property
-    def scale(self) -> float:
-        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+    def rank_of(self, module: str) -> int:
+        return int(_by_pattern(self.rank_pattern, module, self.rank))
+
+    def scale_of(self, module: str) -> float:
+        rank, alpha = self.rank_of(module), _by_pattern(self.alpha_pattern, module, self.alpha)
+        return alpha / (math.sqrt(rank) if self.rslora else rank)
 
     def targets_module(self, module: str) -> bool:
-        if isinstance(self.targets, str):
-            return re.fullmatch(self.targets, module) is not None
-        return any(module == t or module.endswith("." + t) for t in self.targets)
+        return self.targets is None or any(_names(t, module) for t in self.targets)
+
+
+def _names(pattern: str, module: str) -> bool:
+    return module == pattern or module.endswith("." + pattern)
+
+
+def _by_pattern(patterns: Mapping[str, float], module: str, default: float) -> float:
+    """PEFT's rule for `rank_pattern`/`alpha_pattern`: the first key naming the module."""
+    return next((value for key, value in patterns.items() if _names(key, module)), default)
 
 
 def _rejected(check: str, reason: str, **details: object) -> AdapterVerdict:
     return AdapterVerdict("rejected", reason, check, details=dict(details))
+
+
+def _number(value: object) -> TypeGuard[float]:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _integer(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _patterns(found: dict[str, object], key: str, *, integer: bool) -> dict[str, float]:
+    patterns = found.get(key) or {}
+    if not isinstance(patterns, dict):
+        raise ValueError(f"{CONFIG_NAME}: {key} must be an object")
+    for name, value in patterns.items():
+        if not _LITERAL.fullmatch(name):
+            raise ValueError(
+                f"{CONFIG_NAME}: {key} key {name[:80]!r} is a regex; only module names are taken"
+            )
+        if not (_integer(value) if integer else _number(value)) or value <= 0:
+            raise ValueError(f"{CONFIG_NAME}: {key}[{name[:80]!r}] must be a positive number")
+    return dict(patterns)
 
 
 def parse_config(data: bytes) -> Config:
@@ -103,46 +165,58 @@ def parse_config(data: bytes) -> Config:
     peft_type = found.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise ValueError(f"{CONFIG_NAME}: peft_type {str(peft_type)[:40]!r}, not LORA")
-    rank, alpha = found.get("r"), found.get("lora_alpha", found.get("r"))
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 < rank <= 1 << 16:
+    rank, alpha = found.get("r"), found.get("lora_alpha")
+    if not _integer(rank) or not 0 < rank <= 1 << 16:
         raise ValueError(f"{CONFIG_NAME}: r must be a positive integer, not {str(rank)[:40]}")
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
+    if not _number(alpha):
         raise ValueError(f"{CONFIG_NAME}: lora_alpha must be a finite number, not {str(alpha)[:40]}")
+    if (bias := found.get("bias", "none")) not in ("none", None):
+        raise ValueError(f"{CONFIG_NAME}: bias {str(bias)[:40]!r}: vLLM loads LoRA without biases only")
+    if refused := next((what for key, what in UNSUPPORTED.items() if found.get(key)), None):
+        raise ValueError(f"{CONFIG_NAME}: {refused} is set, which vLLM's LoRA loader refuses")
+    if not isinstance(rslora := found.get("use_rslora", False), bool):
+        raise ValueError(f"{CONFIG_NAME}: use_rslora must be true or false")
     targets = found.get("target_modules")
-    if isinstance(targets, str):
-        try:
-            re.compile(targets)
-        except re.error as exc:
-            raise ValueError(f"{CONFIG_NAME}: target_modules is not a valid regex: {exc}") from None
-        chosen: tuple[str, ...] | str = targets
-    elif isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets):
-        chosen = tuple(targets)
+    if isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets):
+        chosen: tuple[str, ...] | None = tuple(targets)
+    elif isinstance(targets, str) and targets:
+        chosen = None
     else:
         raise ValueError(f"{CONFIG_NAME}: target_modules must be a list of module names or a regex")
     base = found.get("base_model_name_or_path")
     return Config(
-        rank, float(alpha), chosen, found.get("use_rslora") is True, base if isinstance(base, str) else None
-    )
+        rank, float(alpha), chosen, rslora, base if isinstance(base, str) else None,
+        {k: int(v) for k, v in _patterns(found, "rank_pattern", integer=True).items()},
+        _patterns(found, "alpha_pattern", integer=False),
+    )  # fmt: skip
 
 
 def check(
     directory: Path, served: Served, *, now: float | None = None, grace: float = 10.0
 ) -> AdapterVerdict:
-    """Judge one adapter version's directory against what the engine serves. A config that is
-    not whole JSON may still be written for `grace` seconds after it last changed."""
+    """Judge one adapter version's directory against what the engine serves. A config or
+    weights header that is not whole may still be written for `grace` seconds after it
+    last changed. Nothing escapes: any other surprise rejects this version."""
     try:
         return _check(directory, served, time.time() if now is None else now, grace)
     except FileNotFoundError as exc:
         return AdapterVerdict("pending", f"{Path(exc.filename or directory).name} is not there yet")
     except LayoutUnreadable as exc:
-        return _rejected("shapes", str(exc))
+        return _rejected("shapes", str(exc)[:500])
     except OSError as exc:
         where = Path(exc.filename).name if exc.filename else WEIGHTS_NAME
         return _rejected("io", f"cannot read {where}: {exc.strerror or exc}")
+    except (ValueError, MemoryError) as exc:  # an input nobody thought of: this version only
+        return _rejected("internal", f"{type(exc).__name__}: {exc}"[:500])
 
 
 def _check(directory: Path, served: Served, now: float, grace: float) -> AdapterVerdict:
     path = directory / CONFIG_NAME
+    config_fd = open_regular(path)
+    try:
+        config_identity = identity(os.fstat(config_fd))
+    finally:
+        os.close(config_fd)
     try:
         config = parse_config(read_small(path, MAX_CONFIG_BYTES))
     except json.JSONDecodeError as exc:
@@ -151,48 +225,68 @@ def _check(directory: Path, served: Served, now: float, grace: float) -> Adapter
         return _rejected("config", f"{CONFIG_NAME} is not JSON: {exc}")
     except ValueError as exc:
         return _rejected("config", str(exc))
-    if config.rank > served.max_rank:
+    ranks = [config.rank, *config.rank_pattern.values()]
+    if max(ranks) > served.max_rank:
         return _rejected(
-            "rank",
-            f"r = {config.rank} is over the engine's max LoRA rank {served.max_rank} (--max-lora-rank)",
+            "rank", f"r = {max(ranks)} is over the engine's max LoRA rank {served.max_rank} (--max-lora-rank)"
         )
     if served.model and config.base_model and _model_name(config.base_model) != _model_name(served.model):
         return _rejected(
             "base_model", f"trained on {config.base_model[:200]!r}, the engine serves {served.model[:200]!r}"
         )
-    tensors = tensors_of(directory / WEIGHTS_NAME)
-    size, end = (directory / WEIGHTS_NAME).stat().st_size, max((t.end for t in tensors), default=0)
-    if size < end:
-        return AdapterVerdict(
-            "pending", f"{WEIGHTS_NAME} is shorter than its header says (still being written)"
-        )
-    pairs = _pairs(tensors)
+    fd = open_regular(directory / WEIGHTS_NAME)
+    try:
+        found = identity(os.fstat(fd))
+        header = read_header(WEIGHTS_NAME, reader(fd), found[2], max_tensors=4 * len(served.weights) + 16)
+        if header is None or found[2] < header.whole_size:
+            if now - found[3] / 1e9 < grace:
+                return AdapterVerdict(
+                    "pending", f"{WEIGHTS_NAME} is shorter than its header says (still being written)"
+                )
+            return _rejected("shapes", f"{WEIGHTS_NAME} is shorter than its safetensors header says")
+        if problem := layout_problem(WEIGHTS_NAME, header, found[2]):
+            return _rejected("shapes", problem)
+        verdict = _weights(fd, header, config, served)
+    finally:
+        os.close(fd)
+    if verdict.status != "ready":
+        return verdict
+    files = {CONFIG_NAME: config_identity, WEIGHTS_NAME: found}
+    return AdapterVerdict("ready", rank=max(ranks), modules=verdict.modules, files=files)
+
+
+def _weights(fd: int, header: Header, config: Config, served: Served) -> AdapterVerdict:
+    pairs = _pairs(header.tensors)
     if isinstance(pairs, AdapterVerdict):
         return pairs
     for module, (a, b) in pairs.items():
         if problem := _shape_problem(module, a, b, config, served):
             return problem
     limit = DTYPE_MAX.get(served.dtype, DTYPE_MAX["F16"])
-    fd = open_regular(directory / WEIGHTS_NAME)
-    try:
-        for module, (a, b) in pairs.items():
-            matrix_a, matrix_b = _read(fd, a), _read(fd, b)
-            for tensor, values in ((a, matrix_a), (b, matrix_b)):
-                if not np.isfinite(values).all():
-                    return _rejected(
-                        "non_finite", f"tensor {tensor.name!r} holds NaN or Inf", tensor=tensor.name
-                    )
-            peak = _largest_update(matrix_a, matrix_b, config.scale, limit)
+    for module, (a, b) in pairs.items():
+        matrix_a, matrix_b = _read(fd, a), _read(fd, b)
+        for tensor, values in ((a, matrix_a), (b, matrix_b)):
+            if not np.isfinite(values).all():
+                return _rejected("non_finite", f"tensor {tensor.name!r} holds NaN or Inf", tensor=tensor.name)
+        scale = abs(config.scale_of(module))
+        largest_a, largest_b = (
+            float(np.abs(matrix_a).max(initial=0.0)),
+            float(np.abs(matrix_b).max(initial=0.0)),
+        )
+        bound = float(np.abs(matrix_b).sum(axis=1).max(initial=0.0)) * scale * largest_a
+        for what, peak in (
+            ("lora_A", largest_a),
+            ("lora_B x scale", largest_b * scale),
+            ("the update B·A·scale", bound),
+        ):
             if peak >= limit:
                 return _rejected(
                     "overflow",
-                    f"{module}: the update B·A·alpha/r reaches {peak:.3g}, beyond {served.dtype}'s range "
-                    f"({limit:.3g}): every request on the engine would fail",
+                    f"{module}: {what} reaches {peak:.3g}, beyond {served.dtype}'s range ({limit:.3g}): "
+                    "every request on the engine would fail",
                     module=module,
                 )
-    finally:
-        os.close(fd)
-    return AdapterVerdict("ready", rank=config.rank, modules=len(pairs))
+    return AdapterVerdict("ready", modules=len(pairs))
 
 
 def _model_name(name: str) -> str:
@@ -212,11 +306,12 @@ def _pairs(tensors: list[Tensor]) -> dict[str, tuple[Tensor, Tensor]] | AdapterV
             )
         if tensor.dtype not in TAKEN_DTYPES:
             return _rejected(
-                "dtype",
-                f"tensor {tensor.name[:200]!r} is {tensor.dtype}; the engine takes F32, F16 or BF16",
+                "dtype", f"tensor {tensor.name[:200]!r} is {tensor.dtype}; the engine takes F32, F16 or BF16"
             )
-        module = found["module"].removeprefix(PREFIX)
-        halves.setdefault(module, {})[found["part"]] = tensor
+        module, part = found["module"].removeprefix(PREFIX), found["part"]
+        if part in halves.setdefault(module, {}):  # vLLM would load one, the gate check the other
+            return _rejected("modules", f"{module}: lora_{part} is there twice (with and without {PREFIX!r})")
+        halves[module][part] = tensor
     if not halves:
         return _rejected("modules", f"{WEIGHTS_NAME} holds no LoRA weights")
     pairs = {}
@@ -243,18 +338,20 @@ def _shape_problem(
             "shapes", f"{module}: the served weight is {len(base)}-dimensional; LoRA adapts matrices"
         )
     out, inner = base
-    if a.shape != (config.rank, inner) or b.shape != (out, config.rank):
+    rank = config.rank_of(module)
+    if a.shape != (rank, inner) or b.shape != (out, rank):
         return _rejected(
             "shapes",
             f"{module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not adapt the served "
-            f"weight {list(base)} at r = {config.rank} (want {[config.rank, inner]}, {[out, config.rank]})",
+            f"weight {list(base)} at r = {rank} (want {[rank, inner]}, {[out, rank]})",
             module=module,
         )
     return None
 
 
 def _read(fd: int, tensor: Tensor) -> np.ndarray:
-    """A tensor's values as float64 (bfloat16 widened through its bits: numpy has no bf16)."""
+    """A tensor's values as float64 (bfloat16 widened through its bits: numpy has no bf16).
+    Its size was checked against its shape (`layout_problem`) and the served weight's."""
     raw = bytearray(tensor.nbytes)
     read_exactly(fd, memoryview(raw), tensor.start)
     if tensor.dtype == "BF16":
@@ -262,16 +359,3 @@ def _read(fd: int, tensor: Tensor) -> np.ndarray:
     else:
         widened = np.frombuffer(raw, "<f4" if tensor.dtype == "F32" else "<f2")
     return widened.astype(np.float64).reshape(tensor.shape)
-
-
-def _largest_update(a: np.ndarray, b: np.ndarray, scale: float, limit: float) -> float:
-    """max |B·A| x scale: the cheap bound when it is under `limit`, else the exact value."""
-    bound = float(np.abs(b).sum(axis=1).max(initial=0.0) * np.abs(a).max(initial=0.0) * abs(scale))
-    if bound < limit:
-        return bound
-    return max((float(np.abs(block @ a).max(initial=0.0)) * abs(scale) for block in _blocks(b)), default=0.0)
-
-
-def _blocks(b: np.ndarray) -> Iterator[np.ndarray]:
-    for start in range(0, b.shape[0], ROWS):
-        yield b[start : start + ROWS]
