@@ -256,10 +256,9 @@ class EngineClient:
             )
 
     def load_adapter(self, name: str, path: str) -> None:
-        """A LoRA adapter loaded under `name`, or the one of that name replaced in place (its
-        routes exist only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; it answers a sentence).
-        Each version from its own `path`: vLLM keys its prefix cache by name and path, so a
-        version loaded in place from the path of the one before would be served stale blocks."""
+        """A LoRA adapter loaded under `name`, or replaced in place (with VLLM_ALLOW_RUNTIME_LORA_
+        UPDATING=True). Each version from its own `path`: vLLM keys its prefix cache by name
+        and path, so one loaded from the path of the one before would get its stale blocks."""
         self._answered(
             "POST",
             "/v1/load_lora_adapter",
