@@ -95,3 +95,20 @@ def test_daemon_rejecting_a_converted_output_stops_its_trainer_directory_waiting
     assert "step-2" not in catalog.pending and placed not in catalog.pending
     assert "step-2" not in catalog.newer_than(running.daemon.reloader.served.serving_key())
     assert not [c for c in engine.calls if c.startswith("reload:")]
+
+
+def test_pinning_a_trainers_own_directory_is_refused_naming_its_converted_copy(
+    start, root, tmp_path, make_checkpoint
+):
+    make_checkpoint("step-1", root=root)
+    made = make_checkpoint("src", root=tmp_path / "made", seed=2)
+    running = start(
+        FakeEngine(startup=str(root / "step-1")), converter=converter(tmp_path, "copy", COPYING, made)
+    )
+    running.wait_for("engine.reconciled")
+    _dcp(root / "step-2")
+    placed = running.wait_for("checkpoint.converted", name="step-2")["placed"]
+    catalog = running.daemon.reloader.catalog
+    said = catalog.pin("step-2")
+    assert said is not None and f"pin {placed}" in said and catalog.pinned is None
+    assert catalog.pin(placed) is None and catalog.pinned == placed

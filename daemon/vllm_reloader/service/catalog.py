@@ -243,6 +243,9 @@ class Catalog:
         if len(matches) > 1:
             return f"version {name_or_version!r} names {', '.join(matches)}: pin one of them by that name"
         match = matches[0]
+        if (converted := self._converted_from(match)) is not None:  # never loadable as it is
+            copy = converted or "its converted copy, once converted"
+            return f"{match} is a trainer's own format that vLLM cannot read: pin {copy}"
         rejected = self.rejection_of(match)
         if rejected is not None and not force:
             return f"{match} was rejected: {rejected}; `pin --force` tries it again"
@@ -253,6 +256,17 @@ class Catalog:
         )
         self.pinned = match
         return None
+
+    def _converted_from(self, name: str) -> str | None:
+        """For a trainer's own format: its converted copy's name ("" while there is none)."""
+        try:
+            found = completeness.foreign_content(DirectoryListing(self.root / name), self.convention)
+        except OSError:
+            return None
+        if found is None:
+            return None
+        placed = order.placed_name(name, found[1])
+        return placed if placed in self.candidates else ""
 
     def rejection_of(self, name: str) -> str | None:
         """Why the candidate's current content was rejected; None: it was not (`pin`, `status`)."""
