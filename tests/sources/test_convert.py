@@ -267,11 +267,13 @@ def test_converter_output_is_dropped_when_the_input_was_written_again_while_it_r
     root, start, posted = convert
     made = make_checkpoint("made", root=tmp_path / "made")
     with capture_logs() as logs:
-        start(converter(tmp_path, "rewrite", REWRITING, made)).consider("step-5", root / "step-5", WHOLE)
+        running = start(converter(tmp_path, "rewrite", REWRITING, made))
+        running.consider("step-5", root / "step-5", WHOLE)
         deadline = time.monotonic() + 30
         while not [e for e in logs if e["event"] == "checkpoint.convert_dropped"]:
             assert time.monotonic() < deadline
             time.sleep(0.05)
+    running.close()  # its staging is cleaned up after the line
     assert posted.empty() and sorted(p.name for p in root.iterdir()) == ["step-5"]
 
 

@@ -99,11 +99,8 @@ class Converter:
 
     def consider(self, name: str, directory: Path, verdict: Verdict) -> None:
         """From the loop, on each verdict: converts what the gate found whole (`convert`)."""
-        kind, fingerprint, key = (
-            verdict.details.get("convert"),
-            verdict.fingerprint,
-            (name, verdict.fingerprint),
-        )
+        kind, fingerprint = verdict.details.get("convert"), verdict.fingerprint
+        key = (name, fingerprint)
         if verdict.status != "pending" or not isinstance(kind, str) or not fingerprint:
             return
         if not self.source.converter or directory.parent != self.root:  # a SIGHUP moved the root
@@ -120,7 +117,6 @@ class Converter:
         self._jobs.put(job)
 
     def start(self) -> None:
-        _sweep(self.root)
         self._thread.start()
 
     def is_alive(self) -> bool:
@@ -133,6 +129,7 @@ class Converter:
             self._thread.join(timeout)
 
     def _run(self) -> None:
+        _sweep(self.root)  # here, not at start: a crashed conversion's leftovers may be large
         while (job := self._jobs.get()) is not None and not self.stop.is_set():
             try:
                 result = self._convert(job)
