@@ -70,10 +70,14 @@ def test_daemon_restarted_does_not_convert_again_what_its_converter_failed_on(
     first.daemon.request_stop()
     first.wait_for("daemon.stopped")
     second = start(engine, converter=argv)
-    second.wait_for("engine.reconciled", timeout=10)
-    time.sleep(0.5)
+    deadline = time.monotonic() + 10
+    while len(second.events("checkpoint.seen", name="step-2")) < 2:  # the logs of both daemons
+        assert time.monotonic() < deadline, "the restarted daemon never looked at step-2"
+        time.sleep(0.05)
+    time.sleep(1.0)  # twenty pending rechecks
     assert len(second.events("checkpoint.converting")) == 1, "the one before the restart only"
-    assert "step-2" not in second.daemon.reloader.catalog.pending
+    catalog = second.daemon.reloader.catalog
+    assert "step-2" in catalog.rejected and "step-2" not in catalog.pending
 
 
 def test_daemon_rejecting_a_converted_output_stops_its_trainer_directory_waiting(
