@@ -98,7 +98,7 @@ print(sorted(m for m in sys.modules if m.startswith("vllm_reloader")))
 def test_no_daemon_module_imports_torch_or_vllm():
     """The daemon talks HTTP; only the extension (inside the engine) and the demo's model
     writer may need torch. (Files, not pkgutil.walk_packages: that imports every package.)
-    numpy is the non-finite scan's alone: the import contracts hold it there."""
+    numpy is the non-finite scan's and the adapter gate's alone: the import contracts hold it there."""
     skip = ("vllm_reloader.extension", "vllm_reloader.tools.tinymodel", "vllm_reloader.__main__")
     names = sorted(
         ".".join(("vllm_reloader", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(
