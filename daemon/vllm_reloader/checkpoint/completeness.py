@@ -184,11 +184,11 @@ def describe(listing: Listing, convention: Convention, now: float) -> Listed | I
     concrete = resolved(listing.top(), convention)
     if concrete.mode == "manifest":
         return _from_manifest(listing, concrete, now)
+    if concrete.mode == "auto":  # nothing says it is whole; its content is a trainer's own format's
+        return _foreign(listing, convention) or Incomplete("pending", waiting_reason(listing.top()))
     fp = fingerprint(listing, convention)
     if concrete.mode == "hf-index":
         weights = _hf_weights(listing, concrete, now, fp)
-    elif concrete.mode == "auto":
-        return _foreign(listing, convention) or Incomplete("pending", waiting_reason(listing.top()), fp)
     elif any(name in listing.top() for name in concrete.markers):
         # The marker says "judge now"; an index still says which shards (a copy may bring the
         # marker before the last shard).
