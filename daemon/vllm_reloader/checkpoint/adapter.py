@@ -50,7 +50,7 @@ from .files import (
     parse_json,
     read_exactly,
     read_header,
-    read_small,
+    read_small_at,
     reader,
 )
 
@@ -212,15 +212,16 @@ def check(
 
 def _check(directory: Path, served: Served, now: float, grace: float) -> AdapterVerdict:
     path = directory / CONFIG_NAME
-    config_fd = open_regular(path)
+    config_fd = open_regular(path)  # its identity and its bytes from one open
     try:
         config_identity = identity(os.fstat(config_fd))
+        data = read_small_at(config_fd, path, MAX_CONFIG_BYTES)
     finally:
         os.close(config_fd)
     try:
-        config = parse_config(read_small(path, MAX_CONFIG_BYTES))
+        config = parse_config(data)
     except json.JSONDecodeError as exc:
-        if now - path.stat().st_mtime < grace:
+        if now - config_identity[3] / 1e9 < grace:
             return AdapterVerdict("pending", f"{CONFIG_NAME} is not whole JSON yet (may still be written)")
         return _rejected("config", f"{CONFIG_NAME} is not JSON: {exc}")
     except ValueError as exc:

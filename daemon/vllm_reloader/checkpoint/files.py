@@ -88,14 +88,19 @@ def read_small(path: Path, limit: int = MAX_SMALL_BYTES) -> bytes:
     """All of a small file (a manifest, an index, config.json). Raises OSError if it is larger."""
     fd = open_regular(path)
     try:
-        size = os.fstat(fd).st_size
-        if size > limit:
-            raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
-        data = bytearray(size)
-        read_exactly(fd, memoryview(data), 0)
-        return bytes(data)
+        return read_small_at(fd, path, limit)
     finally:
         os.close(fd)
+
+
+def read_small_at(fd: int, path: Path, limit: int = MAX_SMALL_BYTES) -> bytes:
+    """`read_small` of a file already open (whose identity the caller takes from the same fd)."""
+    size = os.fstat(fd).st_size
+    if size > limit:
+        raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
+    data = bytearray(size)
+    read_exactly(fd, memoryview(data), 0)
+    return bytes(data)
 
 
 def parse_json(data: bytes) -> Any:
