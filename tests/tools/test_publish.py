@@ -133,15 +133,15 @@ def test_publish_move_puts_every_file_back_when_hashing_fails_after_the_move(
     them fails; each goes back where it was, byte for byte, and nothing else is left."""
     before = {p.name: p.read_bytes() for p in src.iterdir()}
     calls = {"n": 0}
-    real = publish_module._hash_and_sync
+    real = publish_module.listed
 
-    def fails_on_the_second(path):  # type: ignore[no-untyped-def]
+    def fails_on_the_second(fd, path):  # type: ignore[no-untyped-def]
         calls["n"] += 1
         if calls["n"] == 2:
             raise failure
-        return real(path)
+        return real(fd, path)
 
-    monkeypatch.setattr(publish_module, "_hash_and_sync", fails_on_the_second)
+    monkeypatch.setattr(publish_module, "listed", fails_on_the_second)
     with pytest.raises((PublishError, KeyboardInterrupt)):
         publish(src, tmp_path / "root", step=3, move=True)
     assert {p.name: p.read_bytes() for p in src.iterdir()} == before

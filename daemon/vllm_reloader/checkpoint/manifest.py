@@ -7,6 +7,7 @@ the engine will read. The format is public (docs/design.md); `format_version` gu
 from __future__ import annotations
 
 import hashlib
+import os
 import posixpath
 from typing import Any, Literal
 
@@ -65,6 +66,20 @@ def parse(data: bytes) -> Manifest:
 
 def dumps(manifest: Manifest) -> bytes:
     return (manifest.model_dump_json(exclude_none=True, indent=1) + "\n").encode()
+
+
+HASH_CHUNK = 16 << 20
+
+
+def listed(fd: int, path: str) -> ManifestFile:
+    """The entry for a file a producer just placed (`publish --move`, a converter's output):
+    its size and blake3 from one read of `fd`, and the file fsynced before it is listed."""
+    hasher, size = blake3.blake3(max_threads=blake3.blake3.AUTO), 0
+    while chunk := os.read(fd, HASH_CHUNK):
+        hasher.update(chunk)
+        size += len(chunk)
+    os.fsync(fd)
+    return ManifestFile(path=path, size=size, blake3=hasher.hexdigest())
 
 
 def hashers(entry: ManifestFile) -> dict[str, Any]:

@@ -33,15 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-import blake3
-
 from .. import log
 from ..checkpoint import completeness, order
 from ..checkpoint.completeness import DirectoryListing
 from ..checkpoint.conventions import Convention, name_step
 from ..checkpoint.files import is_top_level_shard, open_regular
 from ..checkpoint.gate import Verdict
-from ..checkpoint.manifest import MANIFEST_NAME, Manifest, ManifestFile, dumps
+from ..checkpoint.manifest import MANIFEST_NAME, Manifest, ManifestFile, dumps, listed
 from ..config import API_KEY_ENV, SourceConfig
 from .download import place
 from .remote import Downloaded, Rejected
@@ -51,7 +49,6 @@ STAGING_PREFIX = ".converting-"
 LOCK_SUFFIX = ".lock"
 TAIL_LINES = 8
 TAIL_CHARS = 1500
-HASH_CHUNK = 16 << 20
 RETRY = (60.0, 3600.0)
 """Backoff after a failure that is not the checkpoint's (first, most), in seconds."""
 PLACEHOLDER = re.compile(r"\{(input|output|format|name)\}")
@@ -307,18 +304,12 @@ def _files(output: Path) -> list[ManifestFile]:
     own is not one of them (the daemon writes the output's)."""
     entries = []
     for path in sorted(output.rglob("*")):
-        if path.is_symlink() or not path.is_file() or path.relative_to(output).as_posix() == MANIFEST_NAME:
+        relative = path.relative_to(output).as_posix()
+        if path.is_symlink() or not path.is_file() or relative == MANIFEST_NAME:
             continue
-        hasher, size = blake3.blake3(max_threads=blake3.blake3.AUTO), 0
         fd = open_regular(path)
         try:
-            while chunk := os.read(fd, HASH_CHUNK):
-                hasher.update(chunk)
-                size += len(chunk)
-            os.fsync(fd)
+            entries.append(listed(fd, relative))
         finally:
             os.close(fd)
-        entries.append(
-            ManifestFile(path=path.relative_to(output).as_posix(), size=size, blake3=hasher.hexdigest())
-        )
     return entries

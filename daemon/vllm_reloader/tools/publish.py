@@ -19,7 +19,7 @@ from pathlib import Path
 import blake3
 
 from ..checkpoint.files import is_top_level_shard
-from ..checkpoint.manifest import MANIFEST_NAME, Manifest, ManifestFile, dumps
+from ..checkpoint.manifest import MANIFEST_NAME, Manifest, ManifestFile, dumps, listed
 from ..durable import fsync_dir, write_synced
 from ..errors import PublishError
 
@@ -53,17 +53,6 @@ def source_files(src: Path) -> list[Path]:
             "only: save with safetensors (save_pretrained(..., safe_serialization=True)) or convert them"
         )
     return files
-
-
-def _hash_and_sync(path: Path) -> tuple[str, int]:
-    """blake3 and size of one file, from one read; the file fsynced."""
-    hasher, size = blake3.blake3(), 0
-    with path.open("rb") as f:
-        while chunk := f.read(COPY_CHUNK):
-            hasher.update(chunk)
-            size += len(chunk)
-        os.fsync(f.fileno())
-    return str(hasher.hexdigest()), size
 
 
 def _copy_and_hash(src: Path, dst: Path) -> tuple[str, int, int]:
@@ -153,14 +142,16 @@ def publish(
             dst.parent.mkdir(parents=True, exist_ok=True)
             if move and _renamed(path, dst):
                 moved.append(path)
-                digest, size = _hash_and_sync(dst)
+                with dst.open("rb") as f:
+                    entry = listed(f.fileno(), relative)
             else:  # a copy (or a move across filesystems: the source goes once published)
                 digest, size, fd = _copy_and_hash(path, dst)
+                entry = ManifestFile(path=relative, size=size, blake3=digest)
                 kept.append(fd)
                 copied.append(path)
                 if len(kept) >= KEPT_OPEN:
                     _sync(kept)
-            entries.append(ManifestFile(path=relative, size=size, blake3=digest))
+            entries.append(entry)
         _sync(kept)
         manifest = Manifest(format_version=1, version=name, step=step, files=tuple(entries))
         write_synced(incoming / MANIFEST_NAME, dumps(manifest))
