@@ -4,15 +4,20 @@ would take and suffer from (or refuse itself)."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from tests.support.engine_fixtures import Engine, start_engine
+from tests.support import background
+from tests.support.engine_fixtures import DaemonProcess, Engine, daemon_config, start_engine
 from tests.support.peft_adapters import make_adapter
 from vllm_reloader.checkpoint import adapter, layout
 from vllm_reloader.config import EngineConfig
@@ -86,3 +91,138 @@ def test_e2e_adapter_gate_refuses_nan_exploding_and_over_rank_adapters(lora, tmp
     with pytest.raises(EngineCallFailed, match="max_lora_rank"):  # the engine refuses this one itself
         EngineClient(EngineConfig(url=engine.url)).load_adapter("wide", str(wide))
     assert engine.healthy()
+
+
+class AdapterTraffic:
+    """Clients asking an adapter and the base model back to back; `quiet()` holds them while
+    the test compares answers (greedy answers are compared one request at a time)."""
+
+    def __init__(self, engine: Engine, models: tuple[str, ...]) -> None:
+        self.engine, self.models = engine, models
+        self.stop, self.go = threading.Event(), threading.Event()
+        self.go.set()
+        self.idle = threading.Event()
+        self.answered: dict[str, int] = dict.fromkeys(models, 0)
+        self.failed: list[str] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.engine.url, timeout=120) as http:
+            turn = 0
+            while not self.stop.is_set():
+                if not self.go.is_set():
+                    self.idle.set()
+                    self.go.wait(0.1)
+                    continue
+                self.idle.clear()
+                model, turn = self.models[turn % len(self.models)], turn + 1
+                body = {"model": model, "prompt": "w1 w2 w3", "max_tokens": 4, "temperature": 0}
+                try:
+                    response = http.post("/v1/completions", json=body)
+                    if response.status_code == 200:
+                        self.answered[model] += 1
+                    else:
+                        self.failed.append(f"{model}: HTTP {response.status_code}: {response.text[:200]}")
+                except httpx.HTTPError as exc:
+                    self.failed.append(f"{model}: {exc!r}")
+
+    @contextmanager
+    def quiet(self) -> Iterator[None]:
+        self.go.clear()
+        assert self.idle.wait(120), "a client request did not come back"
+        try:
+            yield
+        finally:
+            self.go.set()
+
+
+def _landed(root: Path, name: str, version: str, made: Path) -> Path:
+    """A version renamed into the adapter root whole, as a trainer's last step does."""
+    (root / name).mkdir(parents=True, exist_ok=True)
+    return made.rename(root / name / version)
+
+
+def test_e2e_daemon_lands_adapter_versions_under_load_rejects_bad_ones_and_rolls_back(lora, tmp_path):
+    engine, base, _ = lora
+    staged, root = tmp_path / "staged", tmp_path / "adapters"
+    made = {f"alpha-{n}": make_adapter(base, staged / f"alpha-{n}", seed=10 + n) for n in (1, 2, 3)}
+    made |= {f"beta-{n}": make_adapter(base, staged / f"beta-{n}", seed=20 + n) for n in (1,)}
+    client = EngineClient(EngineConfig(url=engine.url))
+
+    def fresh(source: Path) -> list[str]:  # that version loaded from disk under a new name
+        name = f"fresh-{source.name}"
+        client.load_adapter(name, str(source))
+        try:
+            return engine.complete(name)
+        finally:
+            client.unload_adapter(name)
+
+    expected = {name: fresh(path) for name, path in made.items()}
+    base_answers = engine.complete()
+    config = daemon_config(
+        tmp_path / "d.toml", root=tmp_path / "root", engine_url=engine.url, state_dir=tmp_path / "state"
+    )
+    root.mkdir()
+    config.write_text(
+        config.read_text() + f'[adapters]\nroot = "{root}"\nmax_rank = {MAX_RANK}\ninterval = 0.2\n'
+    )
+    daemon = DaemonProcess(config)
+    try:
+        daemon.wait_for("engine.reconciled", timeout=120)
+        _landed(root, "alpha", "step-1", made["alpha-1"])
+        daemon.wait_for("adapter.loaded", adapter="alpha", version="step-1", timeout=120)
+        assert engine.complete("alpha") == expected["alpha-1"]
+
+        traffic = AdapterTraffic(engine, ("alpha", "tiny"))
+        with background.running([traffic.thread], traffic.stop, join_s=150):
+            _landed(root, "alpha", "step-2", made["alpha-2"])
+            daemon.wait_for("adapter.loaded", adapter="alpha", version="step-2", timeout=120)
+            with traffic.quiet():
+                assert engine.complete("alpha") == expected["alpha-2"]
+            _landed(root, "alpha", "step-3", made["alpha-3"])  # two adapters at once
+            _landed(root, "beta", "step-1", made["beta-1"])
+            daemon.wait_for("adapter.loaded", adapter="alpha", version="step-3", timeout=120)
+            daemon.wait_for("adapter.loaded", adapter="beta", version="step-1", timeout=120)
+            with traffic.quiet():
+                assert engine.complete("alpha") == expected["alpha-3"]
+                assert engine.complete("beta") == expected["beta-1"]
+
+            served = root / "alpha" / "step-3"
+            b_name = next(n for n in load_file(str(served / "adapter_model.safetensors")) if ".lora_B." in n)
+
+            def nan(tensors: dict[str, np.ndarray]) -> None:
+                tensors[b_name] = tensors[b_name].copy()
+                tensors[b_name][0, 0] = np.nan
+
+            def exploding(tensors: dict[str, np.ndarray]) -> None:  # finite on disk, refused by the gate
+                tensors[b_name] = np.full_like(tensors[b_name], 3e38)
+
+            def diverged(tensors: dict[str, np.ndarray]) -> None:  # passes the gate, not the canary
+                for name in tensors:
+                    tensors[name] = np.full_like(tensors[name], 1e9)
+
+            _landed(root, "alpha", "step-4", _edited(served, staged / "nan", nan))
+            _landed(root, "alpha", "step-5", _edited(served, staged / "boom", exploding))
+            _landed(root, "beta", "step-2", make_adapter(base, staged / "wide", seed=30, rank=16))
+            assert daemon.wait_for("adapter.rejected", version="step-4", timeout=60)["check"] == "non_finite"
+            assert daemon.wait_for("adapter.rejected", version="step-5", timeout=60)["check"] == "overflow"
+            assert (
+                daemon.wait_for("adapter.rejected", adapter="beta", version="step-2", timeout=60)["check"]
+                == "rank"
+            )
+            _landed(root, "alpha", "step-6", _edited(served, staged / "diverged", diverged))
+            rolled = daemon.wait_for("adapter.rolled_back", adapter="alpha", version="step-6", timeout=120)
+            assert rolled["to_version"] == "step-3", rolled
+            with traffic.quiet():
+                assert engine.complete("alpha") == expected["alpha-3"], "the last good version serves again"
+                assert engine.complete() == base_answers, "the base model is untouched"
+        assert traffic.failed == [], traffic.failed[:5]
+        assert traffic.answered["alpha"] > 0 and traffic.answered["tiny"] > 0
+        assert not daemon.events("adapter.loaded", version="step-4") + daemon.events(
+            "adapter.loaded", version="step-5"
+        )
+    finally:
+        assert daemon.stop() == 0
+        for name in ("alpha", "beta"):
+            with contextlib.suppress(EngineCallFailed):
+                client.unload_adapter(name)

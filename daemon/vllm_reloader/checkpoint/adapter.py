@@ -87,6 +87,18 @@ class Served:
 
 
 @dataclass(frozen=True)
+class AdapterVersion:
+    """One verified version of an adapter: the copy the engine reads, as the gate saw it."""
+
+    adapter: str
+    version: str
+    path: str
+    fingerprint: str
+    files: Mapping[str, Identity] = field(default_factory=dict)
+    size: int = 0
+
+
+@dataclass(frozen=True)
 class AdapterVerdict:
     status: str
     reason: str = ""

@@ -324,6 +324,21 @@ class RolloutConfig(_Section):
         return value
 
 
+class AdaptersConfig(_Section):
+    """LoRA adapters: `<root>/<adapter>/<version>/` as PEFT writes them, each version gated,
+    loaded under the adapter's name, canaried and rolled back on its own."""
+
+    root: ConfigPath | None = None
+    """None: adapters are not managed. A local directory (an object store: not yet)."""
+    copies: ConfigPath | None = None
+    """Where verified copies live, the engine's user able to read them; default `<state.dir>/adapters`."""
+    max_rank: int = Field(16, ge=1, le=4096)
+    """The engines' `--max-lora-rank` (vLLM's default 16)."""
+    interval: float = Field(1.0, gt=0, le=3600)
+    unload_removed: bool = False
+    """Unload an adapter whose folder is gone (else it is served on from its copy)."""
+
+
 class Config(_Section):
     source: SourceConfig
     engine: EngineConfig
@@ -335,6 +350,7 @@ class Config(_Section):
     metrics: MetricsConfig = MetricsConfig()
     readiness: ReadinessConfig = ReadinessConfig()
     rollout: RolloutConfig = RolloutConfig()
+    adapters: AdaptersConfig = AdaptersConfig()
 
     @model_validator(mode="after")
     def _followers_need_a_store(self) -> Config:
@@ -348,6 +364,10 @@ class Config(_Section):
     @property
     def control_socket(self) -> Path:
         return self.control.socket or self.state.dir / "control.sock"
+
+    @property
+    def adapter_copies(self) -> Path:
+        return self.adapters.copies or self.state.dir / "adapters"
 
     @property
     def cache_dir(self) -> Path:

@@ -47,12 +47,15 @@ def judge(
     return None
 
 
-def probe(client: EngineClient, config: CanaryConfig) -> str | None:
-    """Ask the engine; None when it answers like a model, else why not."""
+def probe(client: EngineClient, config: CanaryConfig, model: str | None = None) -> str | None:
+    """Ask the engine (`model`: an adapter's name; None: the base model); None when it answers
+    like a model, else why not."""
     answers, tops = [], []
     for i, prompt in enumerate(config.prompts):
         try:
-            values, top = client.token_logprobs(prompt, max_tokens=config.max_tokens, timeout=config.timeout)
+            values, top = client.token_logprobs(
+                prompt, max_tokens=config.max_tokens, timeout=config.timeout, model=model
+            )
         except EngineError as exc:
             return f"prompt {i}: {exc}"
         answers.append(values)

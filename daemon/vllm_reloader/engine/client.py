@@ -256,33 +256,32 @@ class EngineClient:
             )
 
     def load_adapter(self, name: str, path: str) -> None:
-        """A LoRA adapter loaded under `name`, or replaced in place (with VLLM_ALLOW_RUNTIME_LORA_
-        UPDATING=True). Each version from its own `path`: vLLM keys its prefix cache by name
-        and path, so one loaded from the path of the one before would get its stale blocks."""
-        self._answered(
-            "POST",
-            "/v1/load_lora_adapter",
-            json={"lora_name": name, "lora_path": path, "load_inplace": True},
-            timeout=self.config.reload_timeout,
-        )
+        """A LoRA adapter loaded under `name`, or replaced in place. Each version from its own
+        `path`: vLLM keys its prefix cache by name and path, not by the bytes."""
+        body = {"lora_name": name, "lora_path": path, "load_inplace": True}
+        self._answered("POST", "/v1/load_lora_adapter", json=body, timeout=self.config.reload_timeout)
 
     def unload_adapter(self, name: str) -> None:
         self._answered("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters loaded, by name: the path each was loaded from."""
+        body = self._call("GET", "/v1/models")
+        found = body.get("data") if isinstance(body, dict) else None
+        models = [m for m in found if isinstance(m, dict)] if isinstance(found, list) else []
+        return {str(m["id"]): str(m.get("root")) for m in models if "id" in m and m.get("parent") is not None}
 
     def set_weight_version(self, version: str) -> None:
         self._call("POST", "/update_weight_version", json={"new_version": version})
 
     def token_logprobs(
-        self, prompt: str, *, max_tokens: int, timeout: float
+        self, prompt: str, *, max_tokens: int, timeout: float, model: str | None = None
     ) -> tuple[list[float | None], list[list[float]]]:
-        """A greedy completion of `prompt`: the logprob of each generated token, and at each
-        step the `TOP_LOGPROBS` most likely tokens' (empty where the engine gave none)."""
-        body = self._call(
-            "POST",
-            "/v1/completions",
-            json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": TOP_LOGPROBS},
-            timeout=timeout,
-        )
+        """A greedy completion of `prompt` (by `model`: an adapter's name; None: the base): the
+        logprob of each generated token, and at each step the `TOP_LOGPROBS` most likely tokens'."""
+        asked = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": TOP_LOGPROBS}
+        asked |= {"model": model} if model else {}
+        body = self._call("POST", "/v1/completions", json=asked, timeout=timeout)
         try:
             logprobs = body["choices"][0]["logprobs"]
             values = [None if v is None else float(v) for v in logprobs["token_logprobs"]]

@@ -24,13 +24,14 @@ from .. import log
 from ..config import Config
 from ..engine.client import EngineClient
 from ..errors import ConfigError
-from ..sources import local
 from ..sources.convert import Converter
-from ..sources.remote import RemoteSource
 from ..sources.verdicts import WAITING_FOR_CANARIES, Verdict
-from . import fleet, paths, status
+from . import parts, paths, status
+from .adapters import Adapters
 from .control import ControlServer, Request
 from .messages import (
+    AdapterGated,
+    AdaptersListed,
     Answered,
     ControlRequest,
     Downloaded,
@@ -80,9 +81,10 @@ class Daemon:
         paths.check(config)  # before the state file is read or the socket made
         made = {config.engine.url: client} if client else {}
         self.reloader = Reloader(config, self.inbox.put, {**made, **(clients or {})}, self._verdict)
-        self.watcher = self._make_watcher(config)
-        self.remote = self._make_remote(config)
+        self.watcher = parts.watcher(config, self.inbox.put)
+        self.remote = parts.remote(config, self.reloader, self.inbox.put)
         self.converter = Converter(config.source, config.checkpoint_root, self.inbox.put)
+        self.adapters = Adapters(config, self.log, self.reloader.metrics, self.inbox.put)
         self.control = ControlServer(
             config.control_socket, lambda request, reply: self.inbox.put(ControlRequest(request, reply))
         )
@@ -91,28 +93,6 @@ class Daemon:
         self.last_status = ""
         self.next_observe = 0.0
         self.exit_code = 0
-
-    def _make_watcher(self, config: Config) -> local.Watcher:
-        return local.Watcher(
-            config.checkpoint_root,
-            ignore=config.source.ignore,
-            notify=lambda name: self.inbox.put(FileChanged(name)),
-            written=lambda path: self.inbox.put(ShardWritten(path)),
-            poll=config.source.poll and not config.source.remote,  # the cache is a local disk
-            poll_interval=min(config.source.interval, 2.0),
-        )
-
-    def _make_remote(self, config: Config) -> RemoteSource | None:
-        if not config.source.remote:
-            return None
-        return RemoteSource(
-            config,
-            serving=lambda: self.reloader.served.serving_key(),  # the canary engine of now
-            rejected=self.reloader.catalog.rejected_fingerprints,
-            post=self.inbox.put,
-            verified_files=self.reloader.gater.cache,
-            serves=lambda: fleet.served_content(self.reloader.engines),  # a follower checks them
-        )
 
     def _verdict(self, verdict: Verdict) -> None:
         """A canary host tells the fleet (the object-store thread writes the record)."""
@@ -139,6 +119,7 @@ class Daemon:
         if self.remote:
             self.remote.start()
         self.converter.start()
+        self.adapters.start()
         self.reloader.start()
         self.control.start()
         self.log.info(
@@ -165,6 +146,7 @@ class Daemon:
             if self.remote:
                 self.remote.close()
             self.converter.close()
+            self.adapters.close()
             self.watcher.close()
             self.reloader.close()
             serving = self.reloader.served.serving
@@ -192,7 +174,7 @@ class Daemon:
     def _dead_helper(self) -> str | None:
         helpers: dict[str, Helper | None] = {
             "watcher": self.watcher, "reload thread": self.reloader, "control socket": self.control,
-            "converter": self.converter, "object store": self.remote,
+            "converter": self.converter, "object store": self.remote, "adapters": self.adapters,
         }  # fmt: skip
         return next((name for name, h in helpers.items() if h is not None and not h.is_alive()), None)
 
@@ -204,6 +186,7 @@ class Daemon:
             return
         if self.stopping_since is None:
             self.reloader.tick()
+            self.adapters.tick(self.reloader.engines.all)
         elif not self.reloader.jobs() or time.monotonic() > self._stop_deadline():
             self.stop.set()
             return
@@ -214,6 +197,7 @@ class Daemon:
         newer than what any engine serves: the store lists only such; one waiting on canary
         hosts is said by its own alert). `newer`: what each engine has yet to serve."""
         found = self.reloader.snapshot(newer)
+        found = dataclasses.replace(found, adapters=self.adapters.snapshot(self.reloader.engines.all))
         if self.remote is None:
             return found
         remote = self.remote.pending
@@ -313,6 +297,8 @@ class Daemon:
                 self.reloader.finished(outcome)
             case Reverified():
                 self.reloader.reverified(message)
+            case AdapterGated() | AdaptersListed():
+                self.adapters.found(message)
             case WarmedUp(seconds, problem, engine):
                 self.log.info("engine.warmed", ms=round(seconds * 1000, 1), problem=problem, engine=engine)
             case ControlRequest(request, reply):
@@ -372,8 +358,8 @@ class Daemon:
         if new.source != old.source or new.state != old.state or new.rollout != old.rollout:
             remote = watcher = None
             try:  # every new part built (the watcher started) before any old one is closed
-                remote = self._make_remote(new)
-                watcher = self._make_watcher(new)
+                remote = parts.remote(new, self.reloader, self.inbox.put)
+                watcher = parts.watcher(new, self.inbox.put)
                 watcher.start()  # inotify watches are made here: a limit or a permission fails now
             except (ConfigError, OSError) as exc:
                 if watcher is not None:
@@ -393,6 +379,7 @@ class Daemon:
                 self.remote.start()
         self.config = new
         self.converter.configure(new.source, new.checkpoint_root)
+        self.adapters.reconfigure(new)
         self.reloader.reconfigure(new)
         self.log.info("config.reloaded", path=str(self.config_path))
         self.notifier.ready(status.line(self.snapshot()))

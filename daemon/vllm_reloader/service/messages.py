@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..sources.adapters import AdapterGated, AdaptersListed
 from ..sources.remote import Downloaded, Rejected
 from ..sources.verdicts import Recalled
 from .control import Reply
@@ -66,8 +67,12 @@ Message = (
     | Reverified
     | ControlRequest
     | SignalReceived
+    | AdapterGated
+    | AdaptersListed
 )
 __all__ = [
+    "AdapterGated",
+    "AdaptersListed",
     "Answered",
     "ControlRequest",
     "Downloaded",

@@ -63,6 +63,18 @@ class Metrics:
         )
         self._serving_labels: dict[str, tuple[str, str]] = {}
         self.engine_up = Gauge("vllm_reloader_engine_up", "1 when the engine answers", ["engine"], registry=r)
+        self.adapter_loads = Counter(
+            "vllm_reloader_adapter_loads",
+            "Adapter loads by result",
+            ["adapter", "result", "engine"],
+            registry=r,
+        )
+        self.adapter_rejected = Counter(
+            "vllm_reloader_adapter_rejected",
+            "Adapter versions rejected, by check",
+            ["adapter", "check"],
+            registry=r,
+        )
         self.rollback_ready = Gauge(
             "vllm_reloader_rollback_ready",
             "1 while an intact checkpoint to roll back to exists, 0 when none is left",

@@ -25,6 +25,10 @@ def check(config: Config) -> None:
     """Each directory `config` names exists, is a directory and is usable by this user; then
     an object-store source's cache gets its `checkpoints/`, which the watcher watches."""
     directory(("state", "dir"), config.state.dir, write=True)
+    if config.adapters.root is not None:
+        directory(("adapters", "root"), config.adapters.root, write=False)
+        if config.adapters.copies is not None:
+            directory(("adapters", "copies"), config.adapters.copies, write=True)
     if config.control.socket is not None:
         directory(("control", "socket"), config.control.socket.parent, write=True, of=config.control.socket)
     if not config.source.remote:  # a converter places its output there: then it writes

@@ -72,6 +72,8 @@ class Snapshot:
     source_failing: Mapping[str, str] = field(default_factory=dict)
     pinned_rejected: str | None = None
     """Why the pinned content was rejected: it is not loaded while the pin holds."""
+    adapters: Mapping[str, Any] = field(default_factory=dict)
+    """LoRA adapters by name (`service.adapters`)."""
 
 
 def snapshot_of(
@@ -131,6 +133,8 @@ def answer(snapshot: Snapshot) -> dict[str, Any]:
         "engine": {key: first[key] for key in ("url", "reachable", "last_error", "retry_in_s")},
         "engines": [engine.answer() for engine in snapshot.engines],
     }
+    if snapshot.adapters:
+        found["adapters"] = dict(snapshot.adapters)
     if snapshot.source_url is not None:
         found["source"] = {"url": snapshot.source_url, "failing": dict(snapshot.source_failing)}
     return found

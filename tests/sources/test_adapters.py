@@ -1,0 +1,152 @@
+"""The adapter source: each version copied (hashed as read) into the daemon's own directory,
+the copy gated, the verdict posted; what is not whole yet waits, odd entries are passed by."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.support.adapters import BASE, write_adapter
+from vllm_reloader.checkpoint.adapter import WEIGHTS_NAME, Served
+from vllm_reloader.sources.adapters import AdapterGated, AdaptersListed, AdapterSource
+
+SERVED = Served(weights=BASE, dtype="BF16", max_rank=16)
+
+
+@pytest.fixture
+def found() -> list[AdapterGated | AdaptersListed]:
+    return []
+
+
+def make_source(tmp_path: Path, found: list[AdapterGated | AdaptersListed], **kw: object) -> AdapterSource:
+    (tmp_path / "root").mkdir(exist_ok=True)
+    served = kw.pop("served", SERVED)
+    keep = kw.pop("keep", frozenset())
+    return AdapterSource(
+        tmp_path / "root", tmp_path / "copies", 0.05,
+        served=lambda: served, keep=lambda: keep, post=found.append,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def gated(found: list[AdapterGated | AdaptersListed]) -> list[AdapterGated]:
+    return [m for m in found if isinstance(m, AdapterGated)]
+
+
+def test_adapter_source_gates_a_copy_the_engine_can_read_and_never_the_writers_files(tmp_path, found):
+    source = make_source(tmp_path, found)
+    original = write_adapter(tmp_path / "root" / "support" / "step-1", seed=1)
+    source.scan()
+    [message] = gated(found)
+    assert message.verdict.status == "ready" and message.copy is not None
+    copy = Path(message.copy.path)
+    assert copy.parent == tmp_path / "copies" / "support"
+    assert copy.name == f"step-1@{message.copy.fingerprint}"
+    assert (copy / WEIGHTS_NAME).read_bytes() == (original / WEIGHTS_NAME).read_bytes()
+    assert stat.S_IMODE(os.stat(copy / WEIGHTS_NAME).st_mode) == 0o644
+    assert stat.S_IMODE(os.stat(copy).st_mode) == 0o755
+    assert set(message.copy.files) == {"adapter_config.json", WEIGHTS_NAME}
+    (original / WEIGHTS_NAME).write_bytes(b"rewritten by the writer")  # after the copy: the copy is untouched
+    assert (copy / WEIGHTS_NAME).read_bytes() != b"rewritten by the writer"
+    assert message.order[0] == 1
+    assert [m.names for m in found if isinstance(m, AdaptersListed)] == [{"support"}]
+
+
+def test_adapter_source_judges_a_content_once_and_again_when_it_is_rewritten(tmp_path, found):
+    source = make_source(tmp_path, found)
+    version = write_adapter(tmp_path / "root" / "support" / "step-1", seed=1)
+    source.scan()
+    source.scan()
+    assert len(gated(found)) == 1
+    write_adapter(version, seed=2)
+    os.utime(version / WEIGHTS_NAME, ns=(1, 1))  # another identity whatever the clock's grain
+    source.scan()
+    first, second = gated(found)
+    assert first.copy and second.copy and first.copy.fingerprint != second.copy.fingerprint
+
+
+def test_adapter_source_waits_for_a_version_still_being_written(tmp_path, found):
+    source = make_source(tmp_path, found)
+    version = tmp_path / "root" / "support" / "step-1"
+    whole = write_adapter(tmp_path / "staged", seed=1)
+    version.mkdir(parents=True)
+    (version / "adapter_config.json").write_bytes((whole / "adapter_config.json").read_bytes())
+    source.scan()  # no weights yet
+    data = (whole / WEIGHTS_NAME).read_bytes()
+    (version / WEIGHTS_NAME).write_bytes(data[: len(data) // 2])
+    source.scan()  # short: pending, its copy dropped
+    assert gated(found) == [] and list((tmp_path / "copies").glob("*/*")) == []
+    (version / WEIGHTS_NAME).write_bytes(data)
+    source.scan()
+    assert [m.verdict.status for m in gated(found)] == ["ready"]
+
+
+def test_adapter_source_posts_a_rejection_and_keeps_no_copy_of_it(tmp_path, found):
+    source = make_source(tmp_path, found)
+    b_name = "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"
+    nan = np.full((BASE["model.layers.0.mlp.up_proj.weight"][0], 4), np.nan, dtype=np.float32)
+    write_adapter(tmp_path / "root" / "support" / "step-1", overrides={b_name: nan})
+    source.scan()
+    [message] = gated(found)
+    assert message.verdict.status == "rejected" and message.verdict.check == "non_finite"
+    assert message.copy is None and list((tmp_path / "copies").glob("*/*")) == []
+
+
+def test_adapter_source_passes_by_odd_names_links_and_files(tmp_path, found):
+    source = make_source(tmp_path, found)
+    root = tmp_path / "root"
+    write_adapter(root / ".hidden" / "step-1")
+    write_adapter(root / "with space" / "step-1")
+    write_adapter(root / "support" / "step 1")
+    write_adapter(tmp_path / "elsewhere" / "step-1")
+    (root / "linked").symlink_to(tmp_path / "elsewhere")
+    (root / "afile").write_text("x")
+    (root / "support" / "afile").write_text("x")
+    source.scan()
+    assert gated(found) == [] and [m.names for m in found if isinstance(m, AdaptersListed)] == [{"support"}]
+
+
+def test_adapter_source_judges_nothing_before_the_served_model_is_known(tmp_path, found):
+    source = make_source(tmp_path, found, served=None)
+    write_adapter(tmp_path / "root" / "support" / "step-1")
+    source.scan()
+    assert found == []
+
+
+def test_adapter_source_prunes_copies_of_removed_versions_unless_in_use(tmp_path, found):
+    kept: set[str] = set()
+    source = AdapterSource(
+        tmp_path / "root", tmp_path / "copies", 0.05,
+        served=lambda: SERVED, keep=lambda: frozenset(kept), post=found.append,
+    )  # fmt: skip
+    for step in (1, 2):
+        write_adapter(tmp_path / "root" / "support" / f"step-{step}", seed=step)
+    source.scan()
+    first, second = (Path(m.copy.path) for m in gated(found) if m.copy)
+    kept.add(str(first))
+    for step in (1, 2):
+        for file in (tmp_path / "root" / "support" / f"step-{step}").iterdir():
+            file.unlink()
+        (tmp_path / "root" / "support" / f"step-{step}").rmdir()
+    source._judged.clear()  # as after a restart: nothing judged yet
+    source.scan()
+    assert first.is_dir() and not second.exists()
+
+
+def test_adapter_source_thread_lives_through_an_unreadable_root_and_stops(tmp_path, found):
+    source = make_source(tmp_path, found)
+    (tmp_path / "root").rmdir()
+    source.start()
+    try:
+        write_adapter(tmp_path / "root" / "support" / "step-1")
+        deadline = 100
+        while not gated(found) and deadline:
+            deadline -= 1
+            source._stop.wait(0.05)
+        assert gated(found) and source.is_alive()
+    finally:
+        source.close()
+    assert not source.is_alive()
