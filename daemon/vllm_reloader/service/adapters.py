@@ -30,7 +30,6 @@ from ..checkpoint.adapter import AdapterVersion
 from ..config import Config
 from ..durable import replace_atomically
 from ..engine import adapters as swapping
-from ..engine.client import EngineClient
 from ..sources.adapters import AdapterGated, AdaptersListed, AdapterSource
 from .engine import Engine
 from .metrics import Metrics
@@ -147,7 +146,7 @@ class Adapters:
                 continue
             held = self.held.get(engine.url)
             if held is None:
-                engine.ask(EngineClient.adapters, partial(self._held, engine.url))
+                engine.ask(lambda client: client.adapters(), partial(self._held, engine.url))
                 continue
             base = served.serving.fingerprint if served.serving else None
             if held and self.base.setdefault(engine.url, base) != base:
@@ -159,10 +158,12 @@ class Adapters:
             self._next(engine, held, canary=n == 0)
 
     def _next(self, engine: Engine, held: dict[str, str], *, canary: bool) -> None:
+        removed = self.config.adapters.unload_removed and self.listed is not None
         for name, state in sorted(self.known.items()):
             want = (state.newest.copy if state.newest else None) if canary else state.good
             if (
                 want is None
+                or (removed and name not in (self.listed or ()))
                 or held.get(name) == want.path
                 or want.fingerprint in self.rejected
                 or (engine.url, want.fingerprint) in self.refused
@@ -179,8 +180,8 @@ class Adapters:
             )
             engine.ask(call, partial(self._swapped, engine, canary))
             return
-        if self.config.adapters.unload_removed and self.listed is not None:
-            for name in sorted(set(held) - self.listed):
+        if removed:
+            for name in sorted((set(held) & set(self.known)) - (self.listed or frozenset())):  # ours only
                 engine.ask(
                     partial(swapping.unload, name=name), partial(self._unloaded, engine, name, "removed")
                 )

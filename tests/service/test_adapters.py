@@ -1,0 +1,210 @@
+"""The loop's adapter state, with scripted engines: canary engine first, followers only what
+passed there; a failed canary rolls back and is remembered across restarts; never backwards;
+adapters canaried again after a base reload; an engine back from a restart is asked again."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+from structlog.testing import capture_logs
+
+from tests.support.adapters import BASE, write_adapter
+from vllm_reloader.checkpoint import adapter
+from vllm_reloader.checkpoint.layout import Layout
+from vllm_reloader.config import parse
+from vllm_reloader.service.adapters import Adapters
+from vllm_reloader.service.metrics import Metrics
+from vllm_reloader.sources.adapters import AdapterGated, AdaptersListed
+
+
+class ScriptedClient:
+    """What the swap calls: loads recorded, canary answers scripted per adapter name."""
+
+    def __init__(self) -> None:
+        self.loaded: dict[str, str] = {}
+        self.calls: list[tuple[str, str]] = []
+        self.broken: set[str] = set()
+        """Paths whose adapter answers NaN logprobs."""
+
+    def load_adapter(self, name: str, path: str) -> None:
+        self.calls.append(("load", path))
+        self.loaded[name] = path
+
+    def unload_adapter(self, name: str) -> None:
+        self.calls.append(("unload", name))
+        self.loaded.pop(name, None)
+
+    def adapters(self) -> dict[str, str]:
+        return dict(self.loaded)
+
+    def token_logprobs(
+        self, prompt: str, *, max_tokens: int, timeout: float, model: str | None = None
+    ) -> Any:
+        bad = model is not None and self.loaded.get(model) in self.broken
+        return ([float("nan") if bad else -1.0] * max_tokens, [])
+
+
+@dataclass
+class Served:
+    serving: Any = None
+    baseline: Layout | None = field(
+        default_factory=lambda: Layout({n: ("BF16", s) for n, s in BASE.items()}, {})
+    )
+    startup: str | None = None
+    reconciled: bool = True
+    up: bool = True
+
+
+@dataclass(eq=False)
+class ScriptedEngine:
+    url: str
+    client: ScriptedClient = field(default_factory=ScriptedClient)
+    served: Served = field(default_factory=Served)
+    log: Any = field(default_factory=structlog.get_logger)
+    asked: list[Any] = field(default_factory=list)
+
+    @property
+    def idle(self) -> bool:
+        return not self.asked
+
+    def ask(self, call: Any, then: Any) -> None:
+        self.asked.append((call, then))
+
+    def run(self) -> None:
+        """The engine's thread answers what was asked."""
+        while self.asked:
+            call, then = self.asked.pop(0)
+            then(call(self.client))
+
+
+@dataclass
+class Serving:
+    fingerprint: str
+
+
+def config(tmp_path: Path, extra: str = "") -> Any:
+    (tmp_path / "state").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "adapters").mkdir(exist_ok=True)
+    return parse(
+        f'[source]\npath = "{tmp_path}"\n[engine]\nurl = "http://127.0.0.1:1"\n'
+        f'[state]\ndir = "{tmp_path / "state"}"\n[adapters]\nroot = "{tmp_path / "adapters"}"\n{extra}'
+    )
+
+
+def version(tmp_path: Path, name: str, step: int, seed: int = 0) -> AdapterGated:
+    path = write_adapter(tmp_path / "copies" / name / f"step-{step}@{seed:016x}", seed=seed)
+    verdict = adapter.check(path, adapter.Served(BASE, "BF16", 16))
+    assert verdict.status == "ready", verdict
+    copy = adapter.AdapterVersion(name, f"step-{step}", str(path), f"{seed:016x}", verdict.files)
+    return AdapterGated(name, f"step-{step}", (step, 0), verdict, copy)
+
+
+def tick(adapters: Adapters, engines: list[ScriptedEngine], rounds: int = 6) -> None:
+    for _ in range(rounds):
+        adapters.tick(engines)  # type: ignore[arg-type]
+        for engine in engines:
+            engine.run()
+
+
+def make(tmp_path: Path, extra: str = "") -> Adapters:
+    return Adapters(config(tmp_path, extra), structlog.get_logger(), Metrics(), post=lambda _: None)
+
+
+def test_adapters_canary_engine_loads_first_and_followers_only_what_passed_there(tmp_path):
+    adapters, first, second = make(tmp_path), ScriptedEngine("a"), ScriptedEngine("b")
+    good, bad = version(tmp_path, "support", 1, seed=1), version(tmp_path, "support", 2, seed=2)
+    adapters.found(good)
+    tick(adapters, [first, second])
+    assert first.client.loaded == second.client.loaded == {"support": good.copy.path}
+    first.client.broken.add(bad.copy.path)
+    with capture_logs() as logs:
+        adapters.found(bad)
+        tick(adapters, [first, second])
+    assert first.client.loaded == {"support": good.copy.path}, "rolled back to the last good copy"
+    assert ("load", bad.copy.path) not in second.client.calls, "a follower never loads what failed"
+    rolled = next(e for e in logs if e["event"] == "adapter.rolled_back")
+    assert rolled["to_version"] == "step-1" and "support" in rolled["reason"]
+
+
+def test_adapters_a_content_whose_canary_failed_is_not_loaded_after_a_restart(tmp_path):
+    adapters, engine = make(tmp_path), ScriptedEngine("a")
+    bad = version(tmp_path, "support", 1, seed=1)
+    engine.client.broken.add(bad.copy.path)
+    adapters.found(bad)
+    tick(adapters, [engine])
+    assert engine.client.loaded == {}, "no last good version: unloaded"
+    restarted, engine_after = make(tmp_path), ScriptedEngine("a")
+    with capture_logs() as logs:
+        restarted.found(bad)
+        tick(restarted, [engine_after])
+    assert engine_after.client.calls == []
+    assert [e["check"] for e in logs if e["event"] == "adapter.rejected"] == ["canary"]
+
+
+def test_adapters_never_load_an_older_version_by_themselves(tmp_path):
+    adapters, engine = make(tmp_path), ScriptedEngine("a")
+    newer, older = version(tmp_path, "support", 5, seed=5), version(tmp_path, "support", 3, seed=3)
+    adapters.found(newer)
+    tick(adapters, [engine])
+    adapters.found(older)
+    tick(adapters, [engine])
+    assert engine.client.loaded == {"support": newer.copy.path}
+    assert ("load", older.copy.path) not in engine.client.calls
+
+
+def test_adapters_are_canaried_again_after_a_base_reload_and_a_failing_one_unloaded(tmp_path):
+    adapters, engine = make(tmp_path), ScriptedEngine("a")
+    engine.served.serving = Serving("base-1")
+    one, two = version(tmp_path, "one", 1, seed=1), version(tmp_path, "two", 1, seed=2)
+    adapters.found(one)
+    adapters.found(two)
+    tick(adapters, [engine])
+    assert set(engine.client.loaded) == {"one", "two"}
+    engine.client.broken.add(two.copy.path)  # as the new base makes it answer garbage
+    engine.served.serving = Serving("base-2")
+    with capture_logs() as logs:
+        tick(adapters, [engine])
+    assert engine.client.loaded == {"one": one.copy.path}
+    unloaded = next(e for e in logs if e["event"] == "adapter.unloaded")
+    assert unloaded["adapter"] == "two" and unloaded["cause"] == "base_changed"
+    assert two.copy.fingerprint in adapters.rejected
+
+
+def test_adapters_of_an_engine_back_from_a_restart_are_asked_and_loaded_again(tmp_path):
+    adapters, engine = make(tmp_path), ScriptedEngine("a")
+    good = version(tmp_path, "support", 1, seed=1)
+    adapters.found(good)
+    tick(adapters, [engine])
+    engine.client.loaded.clear()  # restarted: it holds none
+    engine.served.reconciled = False
+    tick(adapters, [engine], rounds=1)
+    engine.served.reconciled = True
+    tick(adapters, [engine])
+    assert engine.client.loaded == {"support": good.copy.path}
+
+
+def test_adapters_unload_a_removed_adapter_only_when_configured(tmp_path):
+    for unload, expected in ((False, {"support"}), (True, set())):
+        adapters = make(tmp_path / str(unload), f"unload_removed = {str(unload).lower()}\n")
+        engine = ScriptedEngine("a")
+        adapters.found(version(tmp_path / str(unload), "support", 1, seed=1))
+        tick(adapters, [engine])
+        adapters.found(AdaptersListed(frozenset()))
+        tick(adapters, [engine])
+        assert set(engine.client.loaded) == expected
+
+
+def test_adapters_keep_the_copies_in_use_for_the_source_thread(tmp_path):
+    adapters, engine = make(tmp_path), ScriptedEngine("a")
+    first, second = version(tmp_path, "support", 1, seed=1), version(tmp_path, "support", 2, seed=2)
+    adapters.found(first)
+    tick(adapters, [engine])
+    adapters.found(second)
+    tick(adapters, [engine])
+    assert second.copy.path in adapters.keep, "served and last good"
+    assert first.copy.path not in adapters.keep, "neither: the source may remove it"
+    status = adapters.snapshot([engine])  # type: ignore[list-item]
+    assert status["support"]["engines"] == {"a": "step-2"} and status["support"]["last_good"] == "step-2"
