@@ -21,6 +21,7 @@ import httpx
 from ..config import EngineConfig
 from ..errors import EngineCallFailed, EngineUnavailable
 from .capabilities import OPTIONAL_ROUTES, REQUIRED_ROUTES, Capabilities
+from .loads import load_report
 
 RELOADING_PREFIX = "reloading:"
 EXTENSION = "vllm_reloader.extension.ReloadExtension"
@@ -258,8 +259,12 @@ class EngineClient:
     def load_adapter(self, name: str, path: str) -> None:
         """A LoRA adapter loaded under `name`, or replaced in place. Each version from its own
         `path`: vLLM keys its prefix cache by name and path, not by the bytes."""
-        body = {"lora_name": name, "lora_path": path, "load_inplace": True}
-        self._answered("POST", "/v1/load_lora_adapter", json=body, timeout=self.config.reload_timeout)
+        self._answered(
+            "POST",
+            "/v1/load_lora_adapter",
+            json={"lora_name": name, "lora_path": path, "load_inplace": True},
+            timeout=self.config.reload_timeout,
+        )
 
     def unload_adapter(self, name: str) -> None:
         self._answered("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
@@ -279,9 +284,13 @@ class EngineClient:
     ) -> tuple[list[float | None], list[list[float]]]:
         """A greedy completion of `prompt` (by `model`: an adapter's name; None: the base): the
         logprob of each generated token, and at each step the `TOP_LOGPROBS` most likely tokens'."""
-        asked = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": TOP_LOGPROBS}
-        asked |= {"model": model} if model else {}
-        body = self._call("POST", "/v1/completions", json=asked, timeout=timeout)
+        body = self._call(
+            "POST",
+            "/v1/completions",
+            json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": TOP_LOGPROBS,
+                  **({"model": model} if model else {})},
+            timeout=timeout,
+        )  # fmt: skip
         try:
             logprobs = body["choices"][0]["logprobs"]
             values = [None if v is None else float(v) for v in logprobs["token_logprobs"]]
@@ -372,27 +381,6 @@ class ServerConfig:
     """`--revision`: which snapshot of a hub model id (default: the cache's `main`)."""
     reload_mode: str | None = None
     """`VLLM_RELOAD_MODE` (0.34+: `layerwise` or `direct`); None where vLLM has no such setting."""
-
-
-def load_report(results: list[Any]) -> dict[str, Any]:
-    """Every worker's answer counts: one that did not report a load is a failed reload (with
-    tensor parallelism each rank loads its own part). One worker: its report; several: rank
-    0's, with bytes summed, the slowest rank's seconds, and every rank's report listed."""
-    for rank, result in enumerate(results):
-        if not isinstance(result, dict) or "loader" not in result:
-            raise EngineCallFailed(
-                f"/collective_rpc: rank {rank} of {len(results)} reported no load ({str(result)[:200]})",
-                endpoint="/collective_rpc",
-            )
-    if len(results) == 1:
-        return dict(results[0])
-    return {
-        **results[0],
-        "bytes": sum(int(r.get("bytes") or 0) for r in results),
-        "seconds": max(float(r.get("seconds") or 0.0) for r in results),
-        "workers": len(results),
-        "ranks": results,
-    }
 
 
 def _str_or_none(value: object) -> str | None:
