@@ -15,6 +15,7 @@ from tests.support.adapters import BASE, write_adapter
 from vllm_reloader.checkpoint import adapter
 from vllm_reloader.checkpoint.layout import Layout
 from vllm_reloader.config import parse
+from vllm_reloader.errors import EngineCallFailed, EngineUnavailable
 from vllm_reloader.service.adapters import Adapters
 from vllm_reloader.service.metrics import Metrics
 from vllm_reloader.sources.adapters import AdapterGated, AdaptersListed
@@ -28,9 +29,14 @@ class ScriptedClient:
         self.calls: list[tuple[str, str]] = []
         self.broken: set[str] = set()
         """Paths whose adapter answers NaN logprobs."""
+        self.slow: set[str] = set()
+        """Paths whose adapter's requests time out."""
+        self.refuse: str | None = None
 
     def load_adapter(self, name: str, path: str) -> None:
         self.calls.append(("load", path))
+        if self.refuse:
+            raise EngineCallFailed(self.refuse, endpoint="/v1/load_lora_adapter", status=500)
         self.loaded[name] = path
 
     def unload_adapter(self, name: str) -> None:
@@ -43,6 +49,10 @@ class ScriptedClient:
     def token_logprobs(
         self, prompt: str, *, max_tokens: int, timeout: float, model: str | None = None
     ) -> Any:
+        if model is not None and self.loaded.get(model) in self.slow:
+            raise EngineUnavailable(
+                "/v1/completions: no whole answer within 30 s", endpoint="/v1/completions"
+            )
         bad = model is not None and self.loaded.get(model) in self.broken
         return ([float("nan") if bad else -1.0] * max_tokens, [])
 
@@ -170,7 +180,11 @@ def test_adapters_are_canaried_again_after_a_base_reload_and_a_failing_one_unloa
     assert engine.client.loaded == {"one": one.copy.path}
     unloaded = next(e for e in logs if e["event"] == "adapter.unloaded")
     assert unloaded["adapter"] == "two" and unloaded["cause"] == "base_changed"
-    assert two.copy.fingerprint in adapters.rejected
+    assert two.copy.fingerprint not in adapters.rejected, "unfit for base-2, not broken"
+    engine.client.broken.clear()
+    engine.served.serving = Serving("base-1")  # the base rolled back: the adapter fits again
+    tick(adapters, [engine])
+    assert engine.client.loaded == {"one": one.copy.path, "two": two.copy.path}
 
 
 def test_adapters_of_an_engine_back_from_a_restart_are_asked_and_loaded_again(tmp_path):
@@ -208,3 +222,67 @@ def test_adapters_keep_the_copies_in_use_for_the_source_thread(tmp_path):
     assert first.copy.path not in adapters.keep, "neither: the source may remove it"
     status = adapters.snapshot([engine])  # type: ignore[list-item]
     assert status["support"]["engines"] == {"a": "step-2"} and status["support"]["last_good"] == "step-2"
+
+
+def test_adapters_blame_no_version_for_a_timeout_or_a_refusal_and_try_it_again_later(tmp_path, monkeypatch):
+    adapters, engine = make(tmp_path), ScriptedEngine("a")
+    first = version(tmp_path, "support", 1, seed=1)
+    engine.client.slow.add(first.copy.path)
+    adapters.found(first)
+    with capture_logs() as logs:
+        tick(adapters, [engine])
+    assert [e["blamed"] for e in logs if e["event"] == "adapter.rolled_back"] == [False]
+    assert first.copy.fingerprint not in adapters.rejected and engine.client.loaded == {}
+    engine.client.slow.clear()
+    engine.client.refuse = "/v1/load_lora_adapter: HTTP 500: busy"
+    monkeypatch.setattr("vllm_reloader.service.adapter_records.time.monotonic", lambda: 10**9)
+    with capture_logs() as logs:
+        tick(adapters, [engine], rounds=1)
+    assert [e["event"] for e in logs if e["event"].startswith("adapter.load")] == [
+        "adapter.loading",
+        "adapter.load_failed",
+    ]
+    engine.client.refuse = None
+    tick(adapters, [engine])
+    assert engine.client.loaded == {}, "waiting out its backoff"
+    monkeypatch.setattr("vllm_reloader.service.adapter_records.time.monotonic", lambda: 10**10)
+    tick(adapters, [engine])
+    assert engine.client.loaded == {"support": first.copy.path}
+
+
+def test_adapters_load_nothing_on_an_engine_not_clean_before_the_load(tmp_path):
+    adapters, engine = make(tmp_path), ScriptedEngine("a")
+    other, new = version(tmp_path, "other", 1, seed=1), version(tmp_path, "support", 1, seed=2)
+    adapters.found(other)
+    tick(adapters, [engine])
+    engine.client.broken.add(other.copy.path)  # already broken, whatever loads next
+    adapters.found(new)
+    with capture_logs() as logs:
+        tick(adapters, [engine], rounds=1)
+    failed = next(e for e in logs if e["event"] == "adapter.load_failed")
+    assert "not clean before the load" in failed["reason"] and "support" not in engine.client.loaded
+    assert new.copy.fingerprint not in adapters.rejected
+
+
+def test_adapters_a_restarted_daemon_canaries_what_the_canary_engine_holds_before_followers_take_it(tmp_path):
+    good = version(tmp_path, "support", 1, seed=1)
+    first, second = ScriptedEngine("a"), ScriptedEngine("b")
+    first.client.loaded = {"support": good.copy.path}  # loaded by the daemon before its restart
+    adapters = make(tmp_path)
+    adapters.found(good)
+    with capture_logs() as logs:
+        tick(adapters, [first, second])
+    assert second.client.loaded == {"support": good.copy.path}
+    assert ("load", good.copy.path) not in first.client.calls, "canaried where it is, not loaded again"
+    assert not [e for e in logs if e["event"] == "adapter.rolled_back"]
+
+
+def test_adapters_a_restarted_daemon_unloads_an_uncanaried_broken_version_the_canary_engine_holds(tmp_path):
+    bad = version(tmp_path, "support", 1, seed=1)
+    first, second = ScriptedEngine("a"), ScriptedEngine("b")
+    first.client.loaded = {"support": bad.copy.path}  # its canary never finished before the restart
+    first.client.broken.add(bad.copy.path)
+    adapters = make(tmp_path)
+    adapters.found(bad)
+    tick(adapters, [first, second])
+    assert first.client.loaded == {} and second.client.loaded == {}

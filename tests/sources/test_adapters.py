@@ -4,6 +4,7 @@ the copy gated, the verdict posted; what is not whole yet waits, odd entries are
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -44,7 +45,7 @@ def test_adapter_source_gates_a_copy_the_engine_can_read_and_never_the_writers_f
     assert message.verdict.status == "ready" and message.copy is not None
     copy = Path(message.copy.path)
     assert copy.parent == tmp_path / "copies" / "support"
-    assert copy.name == f"step-1@{message.copy.fingerprint}"
+    assert copy.name == f"step-1@{message.copy.fingerprint[:32]}"
     assert (copy / WEIGHTS_NAME).read_bytes() == (original / WEIGHTS_NAME).read_bytes()
     assert stat.S_IMODE(os.stat(copy / WEIGHTS_NAME).st_mode) == 0o644
     assert stat.S_IMODE(os.stat(copy).st_mode) == 0o755
@@ -150,3 +151,61 @@ def test_adapter_source_thread_lives_through_an_unreadable_root_and_stops(tmp_pa
     finally:
         source.close()
     assert not source.is_alive()
+
+
+def test_adapter_source_keeps_the_copy_of_the_same_bytes_an_engine_may_be_reading(tmp_path, found):
+    source = make_source(tmp_path, found)
+    version = write_adapter(tmp_path / "root" / "support" / "step-1", seed=1)
+    source.scan()
+    copy = Path(gated(found)[0].copy.path)  # type: ignore[union-attr]
+    inode = os.stat(copy / WEIGHTS_NAME).st_ino
+    os.chmod(version / WEIGHTS_NAME, 0o600)  # a chmod, a touch: a new identity, the same bytes
+    source.scan()
+    again = gated(found)[1].copy
+    assert again is not None and again.path == str(copy) and os.stat(copy / WEIGHTS_NAME).st_ino == inode
+
+
+def test_adapter_source_refuses_what_no_adapter_of_the_served_model_could_be_before_copying(tmp_path, found):
+    source = make_source(tmp_path, found)
+    version = write_adapter(tmp_path / "root" / "support" / "step-1")
+    with open(version / WEIGHTS_NAME, "r+b") as f:
+        f.truncate(1 << 40)  # sparse: a terabyte to read
+    source.scan()
+    [message] = gated(found)
+    assert message.verdict.check == "size" and "r = 16" in message.verdict.reason
+    assert list((tmp_path / "copies").glob("*/*")) == []
+
+
+def test_adapter_source_rejects_a_config_number_no_float_holds_and_goes_on(tmp_path, found):
+    source = make_source(tmp_path, found)
+    write_adapter(tmp_path / "root" / "a" / "step-1", config={"lora_alpha": 10**400})
+    write_adapter(tmp_path / "root" / "b" / "step-1")
+    source.scan()
+    assert {m.adapter: m.verdict.status for m in gated(found)} == {"a": "rejected", "b": "ready"}
+
+
+def test_adapter_source_never_reads_through_a_linked_version_or_a_fifo(tmp_path, found):
+    source = make_source(tmp_path, found)
+    elsewhere = write_adapter(tmp_path / "elsewhere" / "secret")
+    (tmp_path / "root" / "support").mkdir(parents=True)
+    (tmp_path / "root" / "support" / "step-1").symlink_to(elsewhere)
+    fifo = tmp_path / "root" / "support" / "step-2"
+    write_adapter(fifo)
+    (fifo / WEIGHTS_NAME).unlink()
+    os.mkfifo(fifo / WEIGHTS_NAME)
+    source.scan()  # returns: a FIFO is never opened
+    assert gated(found) == []
+
+
+def test_adapter_source_says_nothing_of_an_empty_root_and_prunes_nothing_while_use_is_unknown(
+    tmp_path, found
+):
+    source = make_source(tmp_path, found, keep=None)
+    source.scan()
+    assert found == [], "an empty root (a mount not there) is not 'every adapter removed'"
+    write_adapter(tmp_path / "root" / "support" / "step-1")
+    source.scan()
+    copy = Path(gated(found)[0].copy.path)  # type: ignore[union-attr]
+    shutil.rmtree(tmp_path / "root" / "support" / "step-1")
+    source.scan()
+    assert copy.is_dir(), "kept: which copies the engines hold is not known yet"

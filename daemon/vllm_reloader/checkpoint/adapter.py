@@ -148,7 +148,10 @@ def _rejected(check: str, reason: str, **details: object) -> AdapterVerdict:
 
 
 def _number(value: object) -> TypeGuard[float]:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    """A JSON number a float holds (an integer of 400 digits is not: no OverflowError later)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return abs(value) < 1 << 1000
+    return isinstance(value, float) and math.isfinite(value)
 
 
 def _integer(value: object) -> TypeGuard[int]:
@@ -218,7 +221,7 @@ def check(
     except OSError as exc:
         where = Path(exc.filename).name if exc.filename else WEIGHTS_NAME
         return _rejected("io", f"cannot read {where}: {exc.strerror or exc}")
-    except (ValueError, MemoryError) as exc:  # an input nobody thought of: this version only
+    except (ValueError, ArithmeticError, MemoryError, RecursionError) as exc:  # this version only
         return _rejected("internal", f"{type(exc).__name__}: {exc}"[:500])
 
 
@@ -233,7 +236,7 @@ def _check(directory: Path, served: Served, now: float, grace: float) -> Adapter
     try:
         config = parse_config(data)
     except json.JSONDecodeError as exc:
-        if now - config_identity[3] / 1e9 < grace:
+        if 0 <= now - config_identity[3] / 1e9 < grace:  # a time ahead of the clock: no grace
             return AdapterVerdict("pending", f"{CONFIG_NAME} is not whole JSON yet (may still be written)")
         return _rejected("config", f"{CONFIG_NAME} is not JSON: {exc}")
     except ValueError as exc:
@@ -252,7 +255,7 @@ def _check(directory: Path, served: Served, now: float, grace: float) -> Adapter
         found = identity(os.fstat(fd))
         header = read_header(WEIGHTS_NAME, reader(fd), found[2], max_tensors=4 * len(served.weights) + 16)
         if header is None or found[2] < header.whole_size:
-            if now - found[3] / 1e9 < grace:
+            if 0 <= now - found[3] / 1e9 < grace:
                 return AdapterVerdict(
                     "pending", f"{WEIGHTS_NAME} is shorter than its header says (still being written)"
                 )

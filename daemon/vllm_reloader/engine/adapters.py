@@ -16,7 +16,7 @@ between two scheduler steps, so its tokens after that step come from the new ver
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..checkpoint.adapter import AdapterVersion
@@ -35,10 +35,13 @@ class Swapped:
     seconds: float = 0.0
     load_ms: float = 0.0
     error: str | None = None
-    """The engine refused the load: it serves what it did."""
+    """Nothing to blame the version for (the engine refused or did not answer, or did not
+    answer clean before the load): it serves what it did, unless `uncertain`."""
     changed: str | None = None
     """The copy was no longer the verified bytes: nothing was sent."""
     canary_failed: str | None = None
+    blamed: bool = False
+    """The canary's answers say the version is broken (not a timeout or an overloaded engine)."""
     rolled_back: bool = False
     """After a failed canary: the last good version is loaded again."""
     unloaded: bool = False
@@ -56,56 +59,61 @@ def swap(
     config: CanaryConfig,
 ) -> Swapped:
     """Load `target` and canary it. Nothing raises: a refusal, a failed canary, an engine that
-    stopped answering are each data (`uncertain`: what it holds now must be asked again)."""
+    stopped answering are each data. The base model and the other adapters are asked first:
+    what fails before the load is not the new version's fault."""
     started = time.perf_counter()
-    if problem := changed(Path(target.path), target.files):
+    if problem := _changed(target):
         return Swapped(target, changed=problem)
+    if config.enabled and (before := examine_all(client, config, (None, *others))) is not None:
+        return Swapped(target, error=f"not clean before the load, so not loaded: {before.reason}")
+    loading = time.perf_counter()
     try:
         client.load_adapter(target.adapter, target.path)
-    except EngineCallFailed as exc:
-        return Swapped(target, time.perf_counter() - started, error=_refusal(exc))
     except EngineError as exc:
-        return Swapped(target, time.perf_counter() - started, error=str(exc), uncertain=True)
-    load_ms = round((time.perf_counter() - started) * 1000, 3)
-    reason = probe_all(client, config, (target.adapter, *others)) if config.enabled else None
-    if reason is None:
+        uncertain = not isinstance(exc, EngineCallFailed)  # no answer: did it load or not?
+        return Swapped(target, time.perf_counter() - started, error=_refusal(exc), uncertain=uncertain)
+    load_ms = round((time.perf_counter() - loading) * 1000, 3)
+    found = examine_all(client, config, (target.adapter, None, *others)) if config.enabled else None
+    if found is None:
         return Swapped(target, time.perf_counter() - started, load_ms)
+    failed = Swapped(target, load_ms=load_ms, canary_failed=found.reason, blamed=found.answered)
     try:
-        rolled_back = fallback is not None and changed(Path(fallback.path), fallback.files) is None
+        rolled_back = fallback is not None and _changed(fallback) is None
         if fallback is not None and rolled_back:
             client.load_adapter(fallback.adapter, fallback.path)
         else:  # none, or its copy is no longer what was verified: nothing of it is served
             client.unload_adapter(target.adapter)
     except EngineError as exc:
-        seconds = time.perf_counter() - started
-        return Swapped(
-            target, seconds, load_ms, error=f"going back: {exc}", canary_failed=reason, uncertain=True
+        return replace(
+            failed, seconds=time.perf_counter() - started, error=f"going back: {exc}", uncertain=True
         )
     flushes = next((n for n in range(1, FLUSH_PROBES + 1) if canary.probe(client, config) is None), 0)
     seconds = time.perf_counter() - started
-    return Swapped(
-        target,
-        seconds,
-        load_ms,
-        canary_failed=reason,
-        rolled_back=rolled_back,
-        unloaded=not rolled_back,
-        flush_probes=flushes,
+    return replace(
+        failed, seconds=seconds, rolled_back=rolled_back, unloaded=not rolled_back, flush_probes=flushes
     )
 
 
-def probe_all(client: EngineClient, config: CanaryConfig, adapters: tuple[str, ...]) -> str | None:
-    """The first adapter's canary, then the base model's, then the others': why one fails, or None."""
-    first, *others = adapters or (None,)
-    for model in (first, None, *others) if first is not None else (None,):
-        if (reason := canary.probe(client, config, model=model)) is not None:
-            return f"{model or 'base model'}: {reason}"
+def examine_all(
+    client: EngineClient, config: CanaryConfig, models: tuple[str | None, ...]
+) -> canary.Finding | None:
+    """Each model's canary in turn (None: the base model): the first that fails, named."""
+    for model in models:
+        if (found := canary.examine(client, config, model=model)) is not None:
+            return canary.Finding(f"{model or 'base model'}: {found.reason}", found.answered)
     return None
 
 
-def _refusal(exc: EngineCallFailed) -> str:
+def _changed(version: AdapterVersion) -> str | None:
+    try:
+        return changed(Path(version.path), version.files)
+    except OSError as exc:  # the copy's directory itself is gone or unreadable
+        return f"{version.path}: {exc.strerror or exc}"
+
+
+def _refusal(exc: EngineError) -> str:
     """vLLM's refusal in one line, naming what to do when runtime loading is off."""
-    if exc.status == 404 and "lora" not in (exc.detail or "").lower():  # no such route
+    if isinstance(exc, EngineCallFailed) and exc.status == 404 and "lora" not in (exc.detail or "").lower():
         return (
             f"{exc.endpoint}: not found: start vLLM with --enable-lora and the environment "
             "variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
@@ -114,15 +122,15 @@ def _refusal(exc: EngineCallFailed) -> str:
 
 
 def recheck(client: EngineClient, names: tuple[str, ...], config: CanaryConfig) -> dict[str, str | None]:
-    """After the base weights changed: each adapter's canary again, and one that fails is
-    unloaded. By name: why it failed (None: it passed); a name missing was not reached (the
-    engine stopped answering: what it holds is asked again)."""
+    """After the base weights changed (or the daemon restarted): each adapter's canary again,
+    and one whose answers are broken is unloaded. By name: why it failed (None: it passed);
+    a name missing was not judged (no answer, or its unload failed: asked again)."""
     found: dict[str, str | None] = {}
     for name in names:
-        reason = canary.probe(client, config, model=name) if config.enabled else None
-        if reason is not None and unload(client, name) is not None:
+        finding = canary.examine(client, config, model=name) if config.enabled else None
+        if finding is not None and (not finding.answered or unload(client, name) is not None):
             break
-        found[name] = reason
+        found[name] = finding.reason if finding else None
     return found
 
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from ..config import CanaryConfig
-from ..errors import EngineError
+from ..errors import EngineCallFailed, EngineError
 from .client import EngineClient
 
 FLAT = 1e-6
@@ -47,17 +48,33 @@ def judge(
     return None
 
 
-def probe(client: EngineClient, config: CanaryConfig, model: str | None = None) -> str | None:
+@dataclass(frozen=True)
+class Finding:
+    reason: str
+    answered: bool
+    """The engine answered, and its answers (or its error for them) say the weights are broken;
+    False: no answer (a timeout, no connection, overloaded), which blames nothing."""
+
+
+def examine(client: EngineClient, config: CanaryConfig, model: str | None = None) -> Finding | None:
     """Ask the engine (`model`: an adapter's name; None: the base model); None when it answers
-    like a model, else why not."""
+    like a model, else what is wrong."""
     answers, tops = [], []
     for i, prompt in enumerate(config.prompts):
         try:
             values, top = client.token_logprobs(
                 prompt, max_tokens=config.max_tokens, timeout=config.timeout, model=model
             )
-        except EngineError as exc:
-            return f"prompt {i}: {exc}"
+        except EngineError as exc:  # an error answer (NaN made vLLM fail its JSON) blames the weights
+            answered = isinstance(exc, EngineCallFailed) and exc.status not in (None, 429, 503)
+            return Finding(f"prompt {i}: {exc}", answered)
         answers.append(values)
         tops.append(top)
-    return judge(answers, config.min_mean_logprob, tops)
+    reason = judge(answers, config.min_mean_logprob, tops)
+    return None if reason is None else Finding(reason, answered=True)
+
+
+def probe(client: EngineClient, config: CanaryConfig, model: str | None = None) -> str | None:
+    """`examine`'s reason, or None."""
+    found = examine(client, config, model)
+    return None if found is None else found.reason

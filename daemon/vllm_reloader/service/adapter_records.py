@@ -1,0 +1,113 @@
+"""What the adapter loop keeps between its turns: each adapter's versions, the contents a
+canary proved broken (kept across restarts), the waits after failures that blame nothing,
+and what the gate compares an adapter with."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint import adapter as adapter_gate
+from ..checkpoint.adapter import AdapterVersion
+from ..checkpoint.layout import Layout
+from ..durable import replace_atomically
+from ..sources.adapters import AdapterGated
+
+STATE_NAME = "adapters.json"
+MAX_REJECTED = 1000
+DTYPES = ("F16", "BF16", "F32")
+RETRY = (5.0, 600.0)
+"""The first and the longest wait after a failure that blames nothing, in seconds."""
+
+
+@dataclass
+class Adapter:
+    newest: AdapterGated | None = None
+    """The newest version the gate passed (its `copy` is what loads)."""
+    good: AdapterVersion | None = None
+    """The last version that passed its canary on the canary engine: what a failure goes back to."""
+    last_reload: dict[str, Any] | None = None
+    rejected: dict[str, str] = field(default_factory=dict)
+    """Version → why (the last few, for `status`)."""
+
+    def want(self, canary: bool, refused: set[str]) -> AdapterVersion | None:
+        """What an engine should hold: the canary engine the newest version (or the last good
+        one, when the newest is refused); the others only the last good one."""
+        newest = self.newest.copy if self.newest else None
+        if canary and newest is not None and newest.fingerprint not in refused:
+            return newest
+        return self.good if self.good and self.good.fingerprint not in refused else None
+
+
+class Rejections:
+    """Contents a canary's answers proved broken, by fingerprint, in `<state.dir>/adapters.json`:
+    a restart never loads one again. A failure that blames nothing is never written here."""
+
+    def __init__(self, directory: Path, log: Any) -> None:
+        self.path, self.log = directory / STATE_NAME, log
+        self.reasons = self._load()
+
+    def __contains__(self, fingerprint: object) -> bool:
+        return fingerprint in self.reasons
+
+    def remember(self, fingerprint: str, reason: str) -> None:
+        self.reasons = dict(list({**self.reasons, fingerprint: reason}.items())[-MAX_REJECTED:])
+        try:
+            replace_atomically(self.path, json.dumps({"rejected": self.reasons}, indent=1).encode())
+        except OSError as exc:  # said; the rejection holds until a restart
+            self.log.error("state.write_failed", path=str(self.path), reason=str(exc))
+
+    def _load(self) -> dict[str, str]:
+        try:
+            found = json.loads(self.path.read_bytes()).get("rejected", {})
+            return {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, AttributeError, RecursionError) as exc:
+            self.log.error("state.unreadable", path=str(self.path), reason=str(exc)[:300])
+            return {}
+
+
+class Backoff:
+    """Waits after failures that blame no version (a timeout, a refusal, an engine not clean
+    before the load), per engine and content: doubling from 5 s to 10 min."""
+
+    def __init__(self) -> None:
+        self._until: dict[tuple[str, str], tuple[float, float]] = {}
+
+    def waiting(self, engine: str, fingerprint: str) -> bool:
+        until = self._until.get((engine, fingerprint))
+        return until is not None and time.monotonic() < until[0]
+
+    def failed(self, engine: str, fingerprint: str) -> float:
+        _, last = self._until.get((engine, fingerprint), (0.0, 0.0))
+        wait = min(RETRY[1], max(RETRY[0], last * 2))
+        self._until[(engine, fingerprint)] = (time.monotonic() + wait, wait)
+        return wait
+
+    def forget(self, engine: str) -> None:
+        """The engine restarted: what failed there may be tried at once."""
+        self._until = {k: v for k, v in self._until.items() if k[0] != engine}
+
+
+class GateView:
+    """What an adapter is judged against, made again only when the served layout changes (the
+    source thread compares it by identity: a new one judges every version again)."""
+
+    def __init__(self) -> None:
+        self._for: tuple[Layout, str | None, int] | None = None
+        self.served: adapter_gate.Served | None = None
+
+    def of(self, baseline: Layout | None, model: str | None, max_rank: int) -> adapter_gate.Served | None:
+        if baseline is None:
+            return None
+        if self._for is None or self._for[0] is not baseline or self._for[1:] != (model, max_rank):
+            dtypes = {dtype for dtype, _ in baseline.tensors.values() if dtype in DTYPES}
+            dtype = min(dtypes, key=DTYPES.index) if dtypes else "F16"  # the narrowest range seen
+            weights = {name: shape for name, (_, shape) in baseline.tensors.items()}
+            self.served = adapter_gate.Served(weights, dtype, max_rank, model)
+            self._for = (baseline, model, max_rank)
+        return self.served
