@@ -212,7 +212,7 @@ def test_e2e_daemon_lands_adapter_versions_under_load_rejects_bad_ones_and_rolls
             )
             _landed(root, "alpha", "step-6", _edited(served, staged / "diverged", diverged))
             rolled = daemon.wait_for("adapter.rolled_back", adapter="alpha", version="step-6", timeout=120)
-            assert rolled["to_version"] == "step-3", rolled
+            assert rolled["to_version"] == "step-3" and rolled["blamed"] is True, rolled
             with traffic.quiet():
                 assert engine.complete("alpha") == expected["alpha-3"], "the last good version serves again"
                 assert engine.complete() == base_answers, "the base model is untouched"
