@@ -20,6 +20,7 @@ import platform
 import time
 from pathlib import Path
 
+import adapters
 import detection
 import download
 import drain
@@ -41,6 +42,7 @@ QUICK = {
     "e2e": ["--hidden", "64", "--layers", "2", "--rounds", "1"],
     "rolling": ["--hidden", "64", "--layers", "2", "--rounds", "1"],
     "drain": ["--hidden", "96", "--layers", "2"],
+    "adapters": ["--hidden", "96", "--layers", "2", "--sizes-mb", "1,2", "--rounds", "1"],
 }
 FULL = {
     "detection": [],
@@ -63,6 +65,7 @@ FULL = {
     "e2e": [],
     "rolling": [],
     "drain": [],
+    "adapters": [],
 }
 
 
@@ -99,7 +102,7 @@ def main() -> None:
         staged,
         download,
         footprint,
-        *((e2e, rolling, drain) if args.engine else ()),
+        *((e2e, rolling, drain, adapters) if args.engine else ()),
     ):
         name = module.__name__
         with contextlib.redirect_stdout(io.StringIO()):  # each prints its JSON lines; the table is ours

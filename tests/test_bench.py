@@ -93,6 +93,18 @@ def test_bench_drain_prints_drain_on_and_off_side_by_side_behind_haproxy():
     assert "held_through_a_pause" in result.stderr, "the side-by-side table"
 
 
+@pytest.mark.engine
+def test_bench_adapters_reports_the_daemons_share_against_the_engines_own_load_call():
+    command = [sys.executable, str(BENCH / "adapters.py"), "--hidden", "96", "--layers", "2"]
+    command += ["--sizes-mb", "1,2"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    report = _last_json_line(result.stdout)
+    assert report["benchmark"] == "adapters" and len(report["rows"]) == 2
+    for row in report["rows"]:
+        _measured(row, "adapter_mb", "publish_to_serving_s", "engine_load_call_s", "total_over_load_call")
+
+
 def test_bench_gpu_datapath_script_runs_on_cpu_until_a_gpu_is_lent():
     command = [
         sys.executable,

@@ -151,3 +151,33 @@ def test_setup_says_what_a_release_does_that_an_operator_would_not_expect(
         setup.per_release(engine, drained, Capabilities(release, None, True), server, structlog.get_logger())
     assert [line["event"] for line in logs] == said
     assert all(line["log_level"] == "warning" and "fix" in line for line in logs)
+
+
+@pytest.mark.parametrize(
+    ("adapters", "routes", "said"),
+    [
+        (True, frozenset(REQUIRED_ROUTES), ["adapter.not_runnable"]),
+        (True, frozenset({*REQUIRED_ROUTES, "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}), []),
+        (True, None, []),  # no /openapi.json: unknown, said by the first load if so
+        (False, frozenset(REQUIRED_ROUTES), []),
+    ],
+)
+def test_setup_names_the_flag_and_variable_an_engine_lacks_for_adapters(
+    adapters: bool, routes: frozenset[str] | None, said: list[str]
+):
+    import structlog
+
+    from vllm_reloader.config import EngineConfig
+    from vllm_reloader.engine.capabilities import Capabilities
+    from vllm_reloader.engine.client import ServerConfig
+    from vllm_reloader.service import setup
+
+    engine = EngineConfig(url="http://127.0.0.1:8000")
+    server = ServerConfig("/models/a", sleep_mode=False, extension=True)
+    found = Capabilities("0.32.0", routes, True)
+    with structlog.testing.capture_logs() as logs:
+        setup.per_release(engine, False, found, server, structlog.get_logger(), adapters)
+    assert [line["event"] for line in logs] == said
+    assert all(
+        "--enable-lora" in line["fix"] and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in line["fix"] for line in logs
+    )

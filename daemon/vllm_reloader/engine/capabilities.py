@@ -29,6 +29,9 @@ REQUIRED_ROUTES = (
 """Every route a reload uses (all dev-mode routes, unauthenticated: keep the engine on loopback)."""
 OPTIONAL_ROUTES = ("/sleep", "/wake_up")
 """The `sleep` strategy's; only engines with --enable-sleep-mode need them."""
+ADAPTER_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+"""LoRA adapters at run time (`[adapters]`): there only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True."""
+ADAPTER_FIX = "start vLLM with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment"
 OLDEST = (0, 27, 1)
 NEWEST_TESTED = (0, 34)
 """The newest release the contract (`tests/contract`) passes on; the real-engine tests run the
@@ -114,6 +117,11 @@ def pause_rejects(found: Capabilities) -> bool:
     """Whether a pause in `wait` or `abort` mode turns new requests away with 503 here."""
     parsed = release(found.version)
     return parsed is not None and parsed[:2] >= PAUSE_REJECTS_FROM
+
+
+def adapters_missing(found: Capabilities) -> bool:
+    """Whether the engine cannot load adapters at run time (unknown without `/openapi.json`)."""
+    return found.routes is not None and not set(ADAPTER_ROUTES) <= found.routes
 
 
 def untested(found: Capabilities) -> bool:

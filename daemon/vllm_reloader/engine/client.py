@@ -20,7 +20,7 @@ import httpx
 
 from ..config import EngineConfig
 from ..errors import EngineCallFailed, EngineUnavailable
-from .capabilities import OPTIONAL_ROUTES, REQUIRED_ROUTES, Capabilities
+from .capabilities import ADAPTER_ROUTES, OPTIONAL_ROUTES, REQUIRED_ROUTES, Capabilities
 from .loads import load_report
 
 RELOADING_PREFIX = "reloading:"
@@ -141,7 +141,8 @@ class EngineClient:
         version = self._optional("/version")
         spec = self._optional("/openapi.json")
         if isinstance(spec, dict) and isinstance(spec.get("paths"), dict):
-            routes = frozenset(r for r in (*REQUIRED_ROUTES, *OPTIONAL_ROUTES) if r in spec["paths"])
+            known = (*REQUIRED_ROUTES, *OPTIONAL_ROUTES, *ADAPTER_ROUTES)
+            routes = frozenset(r for r in known if r in spec["paths"])
             dev_mode = "/is_paused" in routes
         else:  # --disable-fastapi-docs: no spec; a harmless dev-only GET tells whether dev mode is on
             routes, dev_mode = None, self._optional("/is_paused") is not None

@@ -246,7 +246,9 @@ class Engine:
         served, found, version, server = self.served, learned.found, learned.version, learned.server
         setup.untested(found, self.log)
         config = whole.engine
-        setup.per_release(config, whole.readiness.drain, found, server, self.log)
+        setup.per_release(
+            config, whole.readiness.drain, found, server, self.log, whole.adapters.root is not None
+        )
         served.sleep_capable, served.extension = server.sleep_mode, server.extension
         if not server.extension:
             self.log.warning("engine.builtin_loader", reason=BUILTIN_LOADER_RISK, fix=BUILTIN_LOADER_FIX)

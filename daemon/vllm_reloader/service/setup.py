@@ -50,15 +50,27 @@ def untested(found: capabilities.Capabilities, logger: Any) -> None:
 
 
 def per_release(
-    config: EngineConfig, drained: bool, found: capabilities.Capabilities, server: ServerConfig, logger: Any
+    config: EngineConfig,
+    drained: bool,
+    found: capabilities.Capabilities,
+    server: ServerConfig,
+    logger: Any,
+    adapters: bool = False,
 ) -> None:
-    """Say what this release does that an operator would not expect (at every reconcile)."""
+    """Say what this release does that an operator would not expect, and what it lacks for
+    `[adapters]` (at every reconcile)."""
     if capabilities.pause_rejects(found) and config.pause_mode != "keep" and not drained:
         logger.warning(
             "engine.pause_rejects",
             vllm_version=found.version,
             pause_mode=config.pause_mode,
             fix=capabilities.PAUSE_REJECTS_FIX,
+        )
+    if adapters and capabilities.adapters_missing(found):
+        logger.error(
+            "adapter.not_runnable",
+            reason="the engine cannot load LoRA adapters",
+            fix=capabilities.ADAPTER_FIX,
         )
     if server.reload_mode == "direct":
         logger.warning(
