@@ -18,6 +18,7 @@ from vllm_reloader.config import parse
 from vllm_reloader.errors import EngineCallFailed, EngineUnavailable
 from vllm_reloader.service.adapters import Adapters
 from vllm_reloader.service.metrics import Metrics
+from vllm_reloader.service.status import render
 from vllm_reloader.sources.adapters import AdapterGated, AdaptersListed
 
 
@@ -222,6 +223,8 @@ def test_adapters_keep_the_copies_in_use_for_the_source_thread(tmp_path):
     assert first.copy.path not in adapters.keep, "neither: the source may remove it"
     status = adapters.snapshot([engine])  # type: ignore[list-item]
     assert status["support"]["engines"] == {"a": "step-2"} and status["support"]["last_good"] == "step-2"
+    shown = render({"adapters": status})
+    assert "adapter   support  newest step-2, last good step-2" in shown and "serving a: step-2" in shown
 
 
 def test_adapters_blame_no_version_for_a_timeout_or_a_refusal_and_try_it_again_later(tmp_path, monkeypatch):

@@ -247,4 +247,13 @@ def render(answer: dict[str, Any]) -> str:
     lines.extend(f"  {name}: {reason}" for name, reason in pending.items())
     lines.append(f"rejected  {len(rejected)}")
     lines.extend(f"  {name}{_content(r)}: {r['reason']}" for name, r in rejected.items())
+    for name, found in (answer.get("adapters") or {}).items():
+        held = ", ".join(f"{url}: {version or '-'}" for url, version in found["engines"].items())
+        lines.append(
+            f"adapter   {name}  newest {found['newest'] or '-'}, last good {found['last_good'] or '-'}"
+        )
+        lines.append(f"          serving {held}")
+        lines.extend(
+            f"          rejected {version}: {reason}" for version, reason in found["rejected"].items()
+        )
     return "\n".join(printable(text) for text in lines)

@@ -36,6 +36,7 @@ from ..checkpoint import adapter
 from ..checkpoint.adapter import CONFIG_NAME, MAX_CONFIG_BYTES, WEIGHTS_NAME, AdapterVerdict, AdapterVersion
 from ..checkpoint.conventions import name_step
 from ..checkpoint.files import Identity, identity
+from ..durable import fsync_dir
 
 STAGING_PREFIX = ".copying-"
 CHUNK = 8 << 20
@@ -244,7 +245,7 @@ class AdapterSource:
             if final.exists():  # not what its name says (changed by hand): never loaded again
                 shutil.rmtree(final)
             os.rename(staging, final)
-            _sync_directory(final.parent)
+            fsync_dir(final.parent)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return AdapterVersion(name, version, str(final), digest, size=size), True
@@ -343,11 +344,3 @@ def _digest(copy: Path) -> str | None:
     except OSError:
         return None
     return hasher.hexdigest()
-
-
-def _sync_directory(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
