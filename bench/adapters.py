@@ -18,6 +18,7 @@ import json
 import statistics
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 from _common import emit
@@ -54,6 +55,10 @@ def write_adapter(out: Path, *, hidden: int, layers: int, size_mb: int, seed: in
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": targets}
     (out / "adapter_config.json").write_text(json.dumps(config))
     return out, rank
+
+
+def _at(event: dict[str, object]) -> float:
+    return datetime.fromisoformat(str(event["timestamp"]).replace("Z", "+00:00")).timestamp()
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
@@ -94,12 +99,17 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             engine.complete()
             engine.http.post("/v1/completions", json={"prompt": "w1", "max_tokens": 1, "logprobs": 1})
             direct: dict[int, list[float]] = {size: [] for size in sizes}
+            answer: dict[int, list[float]] = {size: [] for size in sizes}
             for n in range(args.rounds):
                 for size, (path, _) in made.items():
                     started = time.perf_counter()
                     client.load_adapter(f"direct-{size}-{n}", str(path))
                     direct[size].append(time.perf_counter() - started)
-                    engine.complete(f"direct-{size}-{n}")  # as the daemon's canary asks it
+                    started = time.perf_counter()
+                    client.token_logprobs(
+                        "The capital of France is", max_tokens=4, timeout=300, model=f"direct-{size}-{n}"
+                    )
+                    answer[size].append(time.perf_counter() - started)  # one canary request, as the daemon's
                     client.unload_adapter(f"direct-{size}-{n}")
             root = base / "adapters"
             root.mkdir()
@@ -114,18 +124,25 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                 daemon.wait_for("engine.reconciled", timeout=300)
                 for size, (path, rank) in made.items():
                     (root / f"a{size}").mkdir()
-                    begun = time.perf_counter()
+                    begun, renamed_at = time.perf_counter(), time.time()
                     path.rename(root / f"a{size}" / "step-1")
                     loaded = daemon.wait_for("adapter.loaded", adapter=f"a{size}", timeout=900)
                     total = time.perf_counter() - begun
+                    verified = daemon.wait_for("adapter.verified", adapter=f"a{size}")
                     load = float(loaded["load_ms"]) / 1000  # type: ignore[arg-type]
+                    swap = float(loaded["duration_ms"]) / 1000  # type: ignore[arg-type]
+                    found = _at(verified) - renamed_at  # detect + copy + hash + gate
                     baseline = statistics.median(direct[size])
                     nbytes = sum(f.stat().st_size for f in (root / f"a{size}" / "step-1").iterdir())
                     rows.append({
                         "adapter_mb": round(nbytes / 1e6, 1), "rank": rank,
-                        "publish_to_serving_s": round(total, 3), "daemon_load_call_s": round(load, 3),
-                        "engine_load_call_s": round(baseline, 3), "daemon_share_s": round(total - load, 3),
-                        "share_over_load_call": round((total - load) / baseline, 3),
+                        "publish_to_serving_s": round(total, 3),
+                        "found_copied_gated_s": round(found, 3),
+                        "daemon_load_call_s": round(load, 3), "canaries_s": round(swap - load, 3),
+                        "models_canaried": 2 + sum(1 for other in made if other < size),
+                        "engine_load_call_s": round(baseline, 3),
+                        "one_completion_s": round(statistics.median(answer[size]), 3),
+                        "found_over_load_call": round(found / baseline, 3),
                         "total_over_load_call": round(total / baseline, 3),
                     })  # fmt: skip
             finally:

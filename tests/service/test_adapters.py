@@ -253,7 +253,7 @@ def test_adapters_blame_no_version_for_a_timeout_or_a_refusal_and_try_it_again_l
     assert engine.client.loaded == {"support": first.copy.path}
 
 
-def test_adapters_load_nothing_on_an_engine_not_clean_before_the_load(tmp_path):
+def test_adapters_blame_no_version_when_the_engine_fails_without_it_too(tmp_path):
     adapters, engine = make(tmp_path), ScriptedEngine("a")
     other, new = version(tmp_path, "other", 1, seed=1), version(tmp_path, "support", 1, seed=2)
     adapters.found(other)
@@ -262,9 +262,9 @@ def test_adapters_load_nothing_on_an_engine_not_clean_before_the_load(tmp_path):
     adapters.found(new)
     with capture_logs() as logs:
         tick(adapters, [engine], rounds=1)
-    failed = next(e for e in logs if e["event"] == "adapter.load_failed")
-    assert "not clean before the load" in failed["reason"] and "support" not in engine.client.loaded
-    assert new.copy.fingerprint not in adapters.rejected
+    rolled = next(e for e in logs if e["event"] == "adapter.rolled_back")
+    assert rolled["blamed"] is False and "not blamed: without it, other:" in rolled["reason"]
+    assert "support" not in engine.client.loaded and new.copy.fingerprint not in adapters.rejected
 
 
 def test_adapters_a_restarted_daemon_canaries_what_the_canary_engine_holds_before_followers_take_it(tmp_path):

@@ -59,13 +59,12 @@ def swap(
     config: CanaryConfig,
 ) -> Swapped:
     """Load `target` and canary it. Nothing raises: a refusal, a failed canary, an engine that
-    stopped answering are each data. The base model and the other adapters are asked first:
-    what fails before the load is not the new version's fault."""
+    stopped answering are each data. A failed canary is blamed on the version only if, once
+    it is gone, the engine answers clean again (base model, other adapters, the version gone
+    back to): what fails without it too is not its fault."""
     started = time.perf_counter()
     if problem := _changed(target):
         return Swapped(target, changed=problem)
-    if config.enabled and (before := examine_all(client, config, (None, *others))) is not None:
-        return Swapped(target, error=f"not clean before the load, so not loaded: {before.reason}")
     loading = time.perf_counter()
     try:
         client.load_adapter(target.adapter, target.path)
@@ -88,10 +87,15 @@ def swap(
             failed, seconds=time.perf_counter() - started, error=f"going back: {exc}", uncertain=True
         )
     flushes = next((n for n in range(1, FLUSH_PROBES + 1) if canary.probe(client, config) is None), 0)
-    seconds = time.perf_counter() - started
-    return replace(
-        failed, seconds=seconds, rolled_back=rolled_back, unloaded=not rolled_back, flush_probes=flushes
+    still = (target.adapter, *others) if rolled_back else others
+    without = (
+        examine_all(client, config, still) if flushes else canary.Finding("the base model still fails", True)
     )
+    reason = found.reason if without is None else f"{found.reason} (not blamed: without it, {without.reason})"
+    return replace(
+        failed, seconds=time.perf_counter() - started, rolled_back=rolled_back, unloaded=not rolled_back,
+        flush_probes=flushes, blamed=found.answered and without is None, canary_failed=reason,
+    )  # fmt: skip
 
 
 def examine_all(
