@@ -289,3 +289,32 @@ def test_adapters_a_restarted_daemon_unloads_an_uncanaried_broken_version_the_ca
     adapters.found(bad)
     tick(adapters, [first, second])
     assert first.client.loaded == {} and second.client.loaded == {}
+
+
+def test_adapters_swap_with_the_engine_out_of_rotation_where_drain_is_on_and_put_it_back(tmp_path):
+    import threading
+
+    from vllm_reloader.service.readiness import Drain, Rotation
+
+    rotation = Rotation(["a", "b"])
+    for url in ("a", "b"):
+        rotation.put_back(url, "down")
+    seen_out: list[str | None] = []
+
+    class Watched(ScriptedClient):
+        def load_adapter(self, name: str, path: str) -> None:
+            seen_out.append(rotation.why_out("a"))
+            super().load_adapter(name, path)
+
+        def requests_in_flight(self) -> int:
+            return 0
+
+    adapters, engine = make(tmp_path), ScriptedEngine("a", client=Watched())
+    engine.rotation = rotation  # type: ignore[attr-defined]
+    drain = Drain(rotation, grace=0.0, timeout=1.0, stop=threading.Event())
+    adapters.found(version(tmp_path, "support", 1, seed=1))
+    for _ in range(4):
+        adapters.tick([engine], lambda url: drain)  # type: ignore[list-item]
+        engine.run()
+    assert seen_out and seen_out[0] is not None and "drain" in seen_out[0], "out while it loads"
+    assert rotation.why_out("a") is None, "back after its canary"

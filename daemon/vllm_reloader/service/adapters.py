@@ -28,12 +28,37 @@ from typing import Any
 from ..checkpoint.adapter import AdapterVersion, Served
 from ..config import Config
 from ..engine import adapters as swapping
+from ..engine.client import EngineClient
 from ..sources.adapters import AdapterGated, AdaptersListed, AdapterSource
 from .adapter_records import Adapter, Backoff, GateView, Rejections
 from .engine import Engine
 from .metrics import Metrics
+from .readiness import Drain
 
 Found = AdapterGated | AdaptersListed
+
+
+def drained(
+    swap: Callable[[EngineClient], swapping.Swapped],
+    target: AdapterVersion,
+    engine: Engine,
+    drain: Drain | None,
+) -> Callable[[EngineClient], swapping.Swapped]:
+    """The swap, on the engine's thread, with the engine out of rotation where a balancer
+    reads readiness (a loaded adapter takes part in every request, the base model's too),
+    and back in rotation after its canary or its rollback, whatever happened."""
+    if drain is None:
+        return swap
+
+    def run(client: EngineClient) -> swapping.Swapped:
+        try:
+            if drain.out(engine.url, client.requests_in_flight) is None:
+                return swapping.Swapped(target, error="the daemon is stopping: not loaded")
+            return swap(client)
+        finally:
+            engine.rotation.put_back(engine.url, "drain")
+
+    return run
 
 
 class Adapters:
@@ -122,7 +147,8 @@ class Adapters:
 
     # -- the loop's turn: start what each idle engine should do next ---------------------------
 
-    def tick(self, engines: list[Engine]) -> None:
+    def tick(self, engines: list[Engine], drain: Callable[[str], Drain | None] = lambda _: None) -> None:
+        """`drain`: how an engine is taken out of rotation for a swap (None: in place)."""
         if not engines or (self.source is None and not self.known):
             return
         first = engines[0].served
@@ -149,9 +175,11 @@ class Adapters:
                     check = partial(swapping.recheck, names=names, config=self.config.canary)
                     engine.ask(check, partial(self._rechecked, engine, base, names, n == 0))
                     continue
-            self._next(engine, held, base, canary=n == 0)
+            self._next(engine, held, base, drain(engine.url), canary=n == 0)
 
-    def _next(self, engine: Engine, held: dict[str, str], base: str | None, *, canary: bool) -> None:
+    def _next(
+        self, engine: Engine, held: dict[str, str], base: str | None, drain: Drain | None, *, canary: bool
+    ) -> None:
         removed = self.config.adapters.unload_removed and self.listed is not None
         refused = set(self.rejected.reasons) | {fp for fp, on in self.unfit if on == base}
         for name, state in sorted(self.known.items()):
@@ -173,7 +201,7 @@ class Adapters:
             call = partial(
                 swapping.swap, target=want, fallback=fallback, others=others, config=self.config.canary
             )
-            engine.ask(call, partial(self._swapped, engine, canary, base))
+            engine.ask(drained(call, want, engine, drain), partial(self._swapped, engine, canary, base))
             return
         if removed:
             for name in sorted((set(held) & set(self.known)) - (self.listed or frozenset())):  # ours only

@@ -186,7 +186,8 @@ class Daemon:
             return
         if self.stopping_since is None:
             self.reloader.tick()
-            self.adapters.tick(self.reloader.engines.all)
+            engines = self.reloader.engines
+            self.adapters.tick(engines.all, lambda url: engines.drain(self.config.readiness, url))
         elif not self.reloader.jobs() or time.monotonic() > self._stop_deadline():
             self.stop.set()
             return
