@@ -6,7 +6,8 @@ import pytest
 from tests.support.fake_engine import REFUSED, FakeEngine, error, unreachable
 from vllm_reloader.checkpoint.files import identity
 from vllm_reloader.config import EngineConfig
-from vllm_reloader.engine.client import EXTENSION_METHOD, RELOADING_PREFIX, EngineClient, ServerConfig
+from vllm_reloader.engine.client import EXTENSION_METHOD, RELOADING_PREFIX, EngineClient
+from vllm_reloader.engine.serverinfo import ServerConfig
 from vllm_reloader.engine.swap import Target, hot_swap
 from vllm_reloader.errors import EngineCallFailed, EngineUnavailable, ReloadFailed
 
@@ -134,6 +135,19 @@ def test_engine_reads_startup_model_and_extension_from_server_info():
     assert engine.client().server_config() == ServerConfig("/models/a", sleep_mode=True, extension=True)
     engine.reload_mode = "direct"
     assert engine.client().server_config().reload_mode == "direct"
+
+
+def test_engine_reads_its_lora_rank_and_dtype_from_server_info():
+    from vllm_reloader.engine.serverinfo import UNSAID, Lora
+
+    engine = FakeEngine(startup="/models/a")
+    assert engine.client().server_config().lora is UNSAID, "an older release: not said"
+    engine.lora_config = None
+    assert engine.client().server_config().lora is None, "started without --enable-lora"
+    engine.lora_config = {"max_lora_rank": 8, "lora_dtype": "torch.bfloat16"}
+    assert engine.client().server_config().lora == Lora(8, "BF16")
+    engine.lora_config = {"max_lora_rank": 8, "lora_dtype": "auto"}
+    assert engine.client().server_config().lora == Lora(8, None)
 
 
 @pytest.mark.parametrize("extension", [False, True])

@@ -67,6 +67,7 @@ class Served:
     startup: str | None = None
     reconciled: bool = True
     up: bool = True
+    lora: Any = None
 
 
 @dataclass(eq=False)
@@ -318,3 +319,19 @@ def test_adapters_swap_with_the_engine_out_of_rotation_where_drain_is_on_and_put
         engine.run()
     assert seen_out and seen_out[0] is not None and "drain" in seen_out[0], "out while it loads"
     assert rotation.why_out("a") is None, "back after its canary"
+
+
+def test_adapters_are_judged_at_the_engines_max_rank_and_lora_dtype_unless_configured_lower():
+    from vllm_reloader.engine.serverinfo import UNSAID, Lora
+    from vllm_reloader.service.adapter_records import GateView
+
+    baseline = Layout({n: ("F32", v) for n, v in BASE.items()}, {})
+    view = GateView()
+    said = view.of(baseline, "m", None, Lora(8, "F16"))
+    assert said is not None and (said.max_rank, said.dtype) == (8, "F16")
+    assert view.of(baseline, "m", None, Lora(8, "F16")) is said, "the same view: nothing judged again"
+    lower = view.of(baseline, "m", 4, Lora(8, None))
+    assert lower is not None and (lower.max_rank, lower.dtype) == (4, "F32")
+    unsaid = view.of(baseline, "m", None, UNSAID)
+    assert unsaid is not None and unsaid.max_rank == 16, "vLLM's default"
+    assert view.of(None, "m", None, UNSAID) is None

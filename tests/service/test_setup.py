@@ -142,7 +142,7 @@ def test_setup_says_what_a_release_does_that_an_operator_would_not_expect(
 
     from vllm_reloader.config import EngineConfig
     from vllm_reloader.engine.capabilities import Capabilities
-    from vllm_reloader.engine.client import ServerConfig
+    from vllm_reloader.engine.serverinfo import ServerConfig
     from vllm_reloader.service import setup
 
     engine = EngineConfig(url="http://127.0.0.1:8000", pause_mode=pause_mode)  # type: ignore[arg-type]
@@ -153,27 +153,35 @@ def test_setup_says_what_a_release_does_that_an_operator_would_not_expect(
     assert all(line["log_level"] == "warning" and "fix" in line for line in logs)
 
 
+ALL_ROUTES = frozenset({*REQUIRED_ROUTES, "/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+
+
 @pytest.mark.parametrize(
-    ("adapters", "routes", "said"),
+    ("adapters", "routes", "lora_on", "said"),
     [
-        (True, frozenset(REQUIRED_ROUTES), ["adapter.not_runnable"]),
-        (True, frozenset({*REQUIRED_ROUTES, "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}), []),
-        (True, None, []),  # no /openapi.json: unknown, said by the first load if so
-        (False, frozenset(REQUIRED_ROUTES), []),
+        (True, frozenset(REQUIRED_ROUTES), True, ["adapter.not_runnable"]),
+        (True, ALL_ROUTES, False, ["adapter.not_runnable"]),  # the variable without --enable-lora
+        (True, ALL_ROUTES, True, []),
+        (True, None, True, []),  # no /openapi.json: unknown, said by the first load if so
+        (False, frozenset(REQUIRED_ROUTES), False, []),
     ],
 )
 def test_setup_names_the_flag_and_variable_an_engine_lacks_for_adapters(
-    adapters: bool, routes: frozenset[str] | None, said: list[str]
+    adapters: bool, routes: frozenset[str] | None, lora_on: bool, said: list[str]
 ):
     import structlog
 
     from vllm_reloader.config import EngineConfig
     from vllm_reloader.engine.capabilities import Capabilities
-    from vllm_reloader.engine.client import ServerConfig
+    from vllm_reloader.engine.serverinfo import ServerConfig
     from vllm_reloader.service import setup
 
     engine = EngineConfig(url="http://127.0.0.1:8000")
-    server = ServerConfig("/models/a", sleep_mode=False, extension=True)
+    from vllm_reloader.engine.serverinfo import Lora
+
+    server = ServerConfig(
+        "/models/a", sleep_mode=False, extension=True, lora=Lora(8, None) if lora_on else None
+    )
     found = Capabilities("0.32.0", routes, True)
     with structlog.testing.capture_logs() as logs:
         setup.per_release(engine, False, found, server, structlog.get_logger(), adapters)

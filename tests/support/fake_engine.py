@@ -60,6 +60,8 @@ class FakeEngine:
         """`--revision`, as `/server_info` reports it."""
         self.reload_mode: str | None = None
         """`VLLM_RELOAD_MODE` in `/server_info`'s `vllm_env` (0.34+); None: not there."""
+        self.lora_config: object = ()
+        """`/server_info`'s `lora_config` (None: LoRA off; `()`: no such key)."""
         self.running = 0
         """Requests holding KV blocks: vLLM refuses to reset the prefix cache while any does,
         unless told to preempt them (`reset_running_requests`)."""
@@ -96,6 +98,8 @@ class FakeEngine:
             model_config["enable_sleep_mode"] = self.sleep_mode
             parallel_config = {"worker_extension_cls": EXTENSION if self.extension else ""}
             config = {"model_config": model_config, "parallel_config": parallel_config}
+            if self.lora_config != ():
+                config["lora_config"] = self.lora_config
             env = {} if self.reload_mode is None else {"VLLM_RELOAD_MODE": self.reload_mode}
             return httpx.Response(200, json={"vllm_config": config, "vllm_env": env})
         if path == "/sleep":

@@ -332,8 +332,9 @@ class AdaptersConfig(_Section):
     """None: adapters are not managed. A local directory (an object store: not yet)."""
     copies: ConfigPath | None = None
     """Where verified copies live, the engine's user able to read them; default `<state.dir>/adapters`."""
-    max_rank: int = Field(16, ge=1, le=4096)
-    """The engines' `--max-lora-rank` (vLLM's default 16)."""
+    max_rank: int | None = Field(None, ge=1, le=4096)
+    """At most this `r` (None: the engine's `--max-lora-rank`, from `/server_info`; 16 where
+    it does not say). Set, the lower of this and the engine's."""
     interval: float = Field(1.0, gt=0, le=3600)
     unload_removed: bool = False
     """Unload an adapter whose folder is gone (else it is served on from its copy)."""

@@ -12,7 +12,6 @@ import math
 import socket
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -22,6 +21,7 @@ from ..config import EngineConfig
 from ..errors import EngineCallFailed, EngineUnavailable
 from .capabilities import ADAPTER_ROUTES, OPTIONAL_ROUTES, REQUIRED_ROUTES, Capabilities
 from .loads import load_report
+from .serverinfo import ServerConfig, lora_of, str_or_none
 
 RELOADING_PREFIX = "reloading:"
 EXTENSION = "vllm_reloader.extension.ReloadExtension"
@@ -130,10 +130,11 @@ class EngineClient:
             model=model,
             sleep_mode=bool(config["model_config"].get("enable_sleep_mode")),
             extension=(config.get("parallel_config") or {}).get("worker_extension_cls") == EXTENSION,
-            revision=_str_or_none(config["model_config"].get("revision")),
-            reload_mode=_str_or_none(env.get("VLLM_RELOAD_MODE"))
+            revision=str_or_none(config["model_config"].get("revision")),
+            reload_mode=str_or_none(env.get("VLLM_RELOAD_MODE"))
             if isinstance(env := body.get("vllm_env"), dict)
             else None,
+            lora=lora_of(config.get("lora_config", ())),
         )
 
     def capabilities(self) -> Capabilities:
@@ -368,21 +369,3 @@ def _error_text(response: httpx.Response, limit: int) -> str:
             error = error.get("message", error)
         return str(error)[:limit]
     return str(body)[:limit]
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    model: str
-    """The startup model path (vLLM keeps it there after reloads)."""
-    sleep_mode: bool
-    """`--enable-sleep-mode` (GPU/XPU only: vLLM 0.32 refuses it on CPU)."""
-    extension: bool
-    """Started with `--worker-extension-cls` naming `EXTENSION`."""
-    revision: str | None = None
-    """`--revision`: which snapshot of a hub model id (default: the cache's `main`)."""
-    reload_mode: str | None = None
-    """`VLLM_RELOAD_MODE` (0.34+: `layerwise` or `direct`); None where vLLM has no such setting."""
-
-
-def _str_or_none(value: object) -> str | None:
-    return value if isinstance(value, str) and value else None

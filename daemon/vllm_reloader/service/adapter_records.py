@@ -14,11 +14,14 @@ from ..checkpoint import adapter as adapter_gate
 from ..checkpoint.adapter import AdapterVersion
 from ..checkpoint.layout import Layout
 from ..durable import replace_atomically
+from ..engine.serverinfo import Lora
 from ..sources.adapters import AdapterGated
 
 STATE_NAME = "adapters.json"
 MAX_REJECTED = 1000
 DTYPES = ("F16", "BF16", "F32")
+DEFAULT_RANK = 16
+"""vLLM's `--max-lora-rank` when not given."""
 RETRY = (5.0, 600.0)
 """The first and the longest wait after a failure that blames nothing, in seconds."""
 
@@ -94,20 +97,30 @@ class Backoff:
 
 
 class GateView:
-    """What an adapter is judged against, made again only when the served layout changes (the
-    source thread compares it by identity: a new one judges every version again)."""
+    """What an adapter is judged against, made again only when it changes (the source thread
+    compares it by identity: a new one judges every version again)."""
 
     def __init__(self) -> None:
-        self._for: tuple[Layout, str | None, int] | None = None
+        self._for: tuple[object, ...] | None = None
         self.served: adapter_gate.Served | None = None
 
-    def of(self, baseline: Layout | None, model: str | None, max_rank: int) -> adapter_gate.Served | None:
+    def of(
+        self, baseline: Layout | None, model: str | None, configured: int | None, lora: Lora | None
+    ) -> adapter_gate.Served | None:
+        """`configured`: `[adapters] max_rank`; `lora`: what the engine says of its LoRA."""
         if baseline is None:
             return None
-        if self._for is None or self._for[0] is not baseline or self._for[1:] != (model, max_rank):
+        said = lora is not None and lora.max_rank > 0
+        engine_rank = lora.max_rank if lora is not None and said else None
+        max_rank = min(
+            r for r in (configured, engine_rank, None if configured or said else DEFAULT_RANK) if r
+        )
+        key = (baseline, model, max_rank, lora.dtype if lora else None)
+        if self._for is None or self._for[0] is not baseline or self._for[1:] != key[1:]:
             dtypes = {dtype for dtype, _ in baseline.tensors.values() if dtype in DTYPES}
-            dtype = min(dtypes, key=DTYPES.index) if dtypes else "F16"  # the narrowest range seen
+            narrowest = min(dtypes, key=DTYPES.index) if dtypes else "F16"  # the narrowest range seen
+            dtype = lora.dtype if lora is not None and lora.dtype else narrowest
             weights = {name: shape for name, (_, shape) in baseline.tensors.items()}
             self.served = adapter_gate.Served(weights, dtype, max_rank, model)
-            self._for = (baseline, model, max_rank)
+            self._for = key
         return self.served

@@ -152,7 +152,9 @@ class Adapters:
         if not engines or (self.source is None and not self.known):
             return
         first = engines[0].served
-        self.gate_against = self.gate.of(first.baseline, first.startup, self.config.adapters.max_rank)
+        self.gate_against = self.gate.of(
+            first.baseline, first.startup, self.config.adapters.max_rank, first.lora
+        )
         for n, engine in enumerate(engines):
             served = engine.served
             if not (served.reconciled and served.up):  # back from a restart, it holds none

@@ -249,7 +249,7 @@ class Engine:
         setup.per_release(
             config, whole.readiness.drain, found, server, self.log, whole.adapters.root is not None
         )
-        served.sleep_capable, served.extension = server.sleep_mode, server.extension
+        served.sleep_capable, served.extension, served.lora = server.sleep_mode, server.extension, server.lora
         if not server.extension:
             self.log.warning("engine.builtin_loader", reason=BUILTIN_LOADER_RISK, fix=BUILTIN_LOADER_FIX)
         served.startup = setup.startup_path(server)

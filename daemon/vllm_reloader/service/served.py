@@ -14,6 +14,7 @@ from typing import Any
 
 from ..checkpoint import layout, order
 from ..checkpoint.files import Identity
+from ..engine.serverinfo import UNSAID, Lora
 from .state import Loaded
 
 
@@ -56,6 +57,8 @@ class Served:
     backoff: float = 0.0
     rollback: str | None = None
     """The version a failed reload would go back to now; None: nothing intact is left."""
+    lora: Lora | None = UNSAID
+    """How it serves LoRA adapters (None: it does not)."""
 
     def __post_init__(self) -> None:
         self.backoff = self.retry_initial

@@ -18,7 +18,8 @@ from typing import Any
 from ..checkpoint import layout
 from ..config import EngineConfig
 from ..engine import capabilities
-from ..engine.client import EngineClient, ServerConfig
+from ..engine.client import EngineClient
+from ..engine.serverinfo import ServerConfig
 from ..errors import EngineNotSetUp, LayoutUnreadable
 from ..sources import hub
 from .served import Served
@@ -66,7 +67,7 @@ def per_release(
             pause_mode=config.pause_mode,
             fix=capabilities.PAUSE_REJECTS_FIX,
         )
-    if adapters and capabilities.adapters_missing(found):
+    if adapters and (capabilities.adapters_missing(found) or server.lora is None):
         logger.error(
             "adapter.not_runnable",
             reason="the engine cannot load LoRA adapters",
