@@ -280,16 +280,13 @@ def _weights(fd: int, header: Header, config: Config, served: Served) -> Adapter
             return problem
     limit = DTYPE_MAX.get(served.dtype, DTYPE_MAX["F16"])
     for module, (a, b) in pairs.items():
-        matrix_a, matrix_b = _read(fd, a), _read(fd, b)
-        for tensor, values in ((a, matrix_a), (b, matrix_b)):
-            if not np.isfinite(values).all():
+        magnitude_a, magnitude_b = np.abs(_read(fd, a)), np.abs(_read(fd, b))  # one pass each
+        largest_a, largest_b = float(magnitude_a.max(initial=0.0)), float(magnitude_b.max(initial=0.0))
+        for tensor, largest in ((a, largest_a), (b, largest_b)):
+            if not math.isfinite(largest):  # max carries NaN and Inf through
                 return _rejected("non_finite", f"tensor {tensor.name!r} holds NaN or Inf", tensor=tensor.name)
         scale = abs(config.scale_of(module))
-        largest_a, largest_b = (
-            float(np.abs(matrix_a).max(initial=0.0)),
-            float(np.abs(matrix_b).max(initial=0.0)),
-        )
-        bound = float(np.abs(matrix_b).sum(axis=1).max(initial=0.0)) * scale * largest_a
+        bound = float(magnitude_b.sum(axis=1, dtype=np.float64).max(initial=0.0)) * scale * largest_a
         for what, peak in (
             ("lora_A", largest_a),
             ("lora_B x scale", largest_b * scale),
@@ -366,12 +363,15 @@ def _shape_problem(
 
 
 def _read(fd: int, tensor: Tensor) -> np.ndarray:
-    """A tensor's values as float64 (bfloat16 widened through its bits: numpy has no bf16).
-    Its size was checked against its shape (`layout_problem`) and the served weight's."""
+    """A tensor's values as float32, which holds each of F32, F16 and BF16 exactly (bfloat16
+    widened through its bits: numpy has no bf16). Its size was checked against its shape
+    (`layout_problem`) and the served weight's."""
     raw = bytearray(tensor.nbytes)
     read_exactly(fd, memoryview(raw), tensor.start)
     if tensor.dtype == "BF16":
         widened = (np.frombuffer(raw, "<u2").astype(np.uint32) << 16).view(np.float32)
+    elif tensor.dtype == "F16":
+        widened = np.frombuffer(raw, "<f2").astype(np.float32)
     else:
-        widened = np.frombuffer(raw, "<f4" if tensor.dtype == "F32" else "<f2")
-    return widened.astype(np.float64).reshape(tensor.shape)
+        widened = np.frombuffer(raw, "<f4")
+    return widened.reshape(tensor.shape)

@@ -36,7 +36,6 @@ from ..checkpoint import adapter
 from ..checkpoint.adapter import CONFIG_NAME, MAX_CONFIG_BYTES, WEIGHTS_NAME, AdapterVerdict, AdapterVersion
 from ..checkpoint.conventions import name_step
 from ..checkpoint.files import Identity, identity
-from ..durable import fsync_dir
 
 STAGING_PREFIX = ".copying-"
 CHUNK = 8 << 20
@@ -222,7 +221,7 @@ class AdapterSource:
     def _copy(
         self, root_fd: int, name: str, version: str, content: Content
     ) -> tuple[AdapterVersion, bool] | None:
-        """The two files copied and hashed in one read, synced, then renamed into place (or the
+        """The two files copied and hashed in one read, then renamed into place (or the
         copy of the same bytes made before, kept as it is); None when the source changed while
         it was read. The flag: a new copy."""
         self._ensure(self.copies)
@@ -245,7 +244,6 @@ class AdapterSource:
             if final.exists():  # not what its name says (changed by hand): never loaded again
                 shutil.rmtree(final)
             os.rename(staging, final)
-            fsync_dir(final.parent)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return AdapterVersion(name, version, str(final), digest, size=size), True
@@ -322,8 +320,8 @@ def _copy_file(version_fd: int, name: str, size: int, target: Path, hasher: blak
                 hasher.update(chunk)
                 out.write(chunk)
                 copied += len(chunk)
-            out.flush()
-            os.fsync(out.fileno())
+            # Not fsynced (it doubled the copy's time): after a crash the copy is read again and
+            # compared with the digest its name holds before any engine is given it (`_digest`).
         os.chmod(target, 0o644)
         info = os.fstat(fd)  # its time kept: the gate's grace for a file still written is the source's
         os.utime(target, ns=(info.st_atime_ns, info.st_mtime_ns))
