@@ -226,3 +226,36 @@ def test_e2e_daemon_lands_adapter_versions_under_load_rejects_bad_ones_and_rolls
         for name in ("alpha", "beta"):
             with contextlib.suppress(EngineCallFailed):
                 client.unload_adapter(name)
+
+
+def test_e2e_daemon_serves_adapter_versions_uploaded_to_an_object_store(lora, tmp_path, bucket):
+    """The same gate and swap with the versions in S3 (moto): each is downloaded into the
+    daemon's copies, hashed as read, and loaded from there."""
+    engine, base, _ = lora
+    made = {n: make_adapter(base, tmp_path / "staged" / f"v{n}", seed=40 + n) for n in (1, 2)}
+    client = EngineClient(EngineConfig(url=engine.url))
+    client.load_adapter("fresh-remote", str(made[2]))
+    expected = engine.complete("fresh-remote")
+    client.unload_adapter("fresh-remote")
+    config = daemon_config(
+        tmp_path / "d.toml", root=tmp_path / "root", engine_url=engine.url, state_dir=tmp_path / "state"
+    )
+    config.write_text(
+        config.read_text()
+        + f'[adapters]\nroot = "{bucket.url}/adapters"\nmax_rank = {MAX_RANK}\ninterval = 0.2\n'
+    )
+    daemon = DaemonProcess(config)
+    try:
+        daemon.wait_for("engine.reconciled", timeout=120)
+        for n, version in made.items():  # the weights first, the config last, as a careful uploader
+            for file in ("adapter_model.safetensors", "adapter_config.json"):
+                bucket.put(f"adapters/gamma/step-{n}/{file}", (version / file).read_bytes())
+            daemon.wait_for("adapter.loaded", adapter="gamma", version=f"step-{n}", timeout=120)
+        assert engine.complete("gamma") == expected
+        served = Path(client.adapters()["gamma"])
+        assert served.parent == tmp_path / "state" / "adapters" / "gamma", served
+        assert served.name.startswith("step-2@"), served
+    finally:
+        assert daemon.stop() == 0
+        with contextlib.suppress(EngineCallFailed):
+            client.unload_adapter("gamma")

@@ -118,3 +118,34 @@ def test_paths_a_root_the_daemon_cannot_write_is_refused_when_a_converter_places
     said = refused(cfg)
     assert said.startswith(f"source.path {tmp_path / 'root'}: not writable by this user (uid ")
     assert "[source] converter places its output there; systemd: ReadWritePaths=" in said
+
+
+def with_adapters(cfg: config.Config, **adapters: object) -> config.Config:
+    return cfg.model_copy(update={"adapters": config.AdaptersConfig(**adapters)})  # type: ignore[arg-type]
+
+
+def test_paths_a_missing_local_adapter_root_is_refused_and_not_made(tmp_path):
+    cfg = with_adapters(local(tmp_path), root=str(tmp_path / "adapters"))
+    assert refused(cfg).startswith(f"adapters.root {tmp_path / 'adapters'}: no such directory")
+    assert not (tmp_path / "adapters").exists()
+
+
+def test_paths_an_adapter_store_it_cannot_address_is_refused_naming_adapters_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "maybe")  # not a boolean: obstore refuses the client
+    cfg = with_adapters(local(tmp_path), root="s3://bucket/adapters")
+    assert refused(cfg).startswith("adapters.root 's3://bucket/adapters': AWS_ALLOW_HTTP='maybe' is refused")
+
+
+def test_config_adapters_from_the_sources_store_take_its_endpoint_and_a_slower_look(tmp_path):
+    cfg = remote(tmp_path).model_copy(
+        update={"source": config.SourceConfig(path="s3://bucket/runs", endpoint_url="http://minio.test:9000")}
+    )
+    on_s3 = with_adapters(cfg, root="s3://bucket/adapters")
+    assert on_s3.adapter_endpoint == "http://minio.test:9000" and on_s3.adapters.look_interval == 10.0
+    assert with_adapters(cfg, root="az://container/adapters").adapter_endpoint is None
+    assert with_adapters(cfg, root="s3://b/a", endpoint_url="http://other.test").adapter_endpoint == (
+        "http://other.test"
+    )
+    assert with_adapters(local(tmp_path), root=str(tmp_path)).adapters.look_interval == 1.0
+    with pytest.raises(ValueError, match="unsupported scheme"):
+        config.AdaptersConfig(root="ftp://host/adapters")

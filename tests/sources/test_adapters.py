@@ -13,6 +13,7 @@ import pytest
 
 from tests.support.adapters import BASE, write_adapter
 from vllm_reloader.checkpoint.adapter import WEIGHTS_NAME, Served
+from vllm_reloader.sources.adapter_trees import LocalTree
 from vllm_reloader.sources.adapters import AdapterGated, AdaptersListed, AdapterSource
 
 SERVED = Served(weights=BASE, dtype="BF16", max_rank=16)
@@ -28,7 +29,7 @@ def make_source(tmp_path: Path, found: list[AdapterGated | AdaptersListed], **kw
     served = kw.pop("served", SERVED)
     keep = kw.pop("keep", frozenset())
     return AdapterSource(
-        tmp_path / "root", tmp_path / "copies", 0.05,
+        LocalTree(tmp_path / "root"), tmp_path / "copies", 0.05,
         served=lambda: served, keep=lambda: keep, post=found.append,  # type: ignore[arg-type]
     )  # fmt: skip
 
@@ -120,7 +121,7 @@ def test_adapter_source_judges_nothing_before_the_served_model_is_known(tmp_path
 def test_adapter_source_prunes_copies_of_removed_versions_unless_in_use(tmp_path, found):
     kept: set[str] = set()
     source = AdapterSource(
-        tmp_path / "root", tmp_path / "copies", 0.05,
+        LocalTree(tmp_path / "root"), tmp_path / "copies", 0.05,
         served=lambda: SERVED, keep=lambda: frozenset(kept), post=found.append,
     )  # fmt: skip
     for step in (1, 2):

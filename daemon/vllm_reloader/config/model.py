@@ -328,16 +328,43 @@ class AdaptersConfig(_Section):
     """LoRA adapters: `<root>/<adapter>/<version>/` as PEFT writes them, each version gated,
     loaded under the adapter's name, canaried and rolled back on its own."""
 
-    root: ConfigPath | None = None
-    """None: adapters are not managed. A local directory (an object store: not yet)."""
+    root: str | None = None
+    """None: adapters are not managed. A local directory, or an object-store prefix (`s3://`,
+    `gs://`, `az://`)."""
+    endpoint_url: str | None = None
+    """The object store's endpoint (as `source.endpoint_url`); default `source.endpoint_url`
+    when the source is on the same kind of store, else the store's own variables."""
     copies: ConfigPath | None = None
     """Where verified copies live, the engine's user able to read them; default `<state.dir>/adapters`."""
     max_rank: int | None = Field(None, ge=1, le=4096)
     """At most this `r` (None: the engine's `--max-lora-rank`, from `/server_info`; 16 where
     it does not say). Set, the lower of this and the engine's."""
-    interval: float = Field(1.0, gt=0, le=3600)
+    interval: float | None = Field(None, gt=0, le=3600)
+    """How often the root is looked at: default 1 s for a local root, 10 s for an object store
+    (a LIST each time)."""
     unload_removed: bool = False
     """Unload an adapter whose folder is gone (else it is served on from its copy)."""
+
+    @field_validator("root", mode="before")
+    @classmethod
+    def _str_from_path(cls, value: object, info: ValidationInfo) -> object:
+        value = _anchored(value, info)
+        return str(value) if isinstance(value, Path) else value
+
+    @field_validator("root")
+    @classmethod
+    def _known_scheme(cls, value: str | None) -> str | None:
+        if value is not None and "://" in value and not value.startswith(REMOTE_SCHEMES):
+            raise ValueError(f"unsupported scheme; use a local path or one of {', '.join(REMOTE_SCHEMES)}")
+        return value
+
+    @property
+    def remote(self) -> bool:
+        return self.root is not None and self.root.startswith(REMOTE_SCHEMES)
+
+    @property
+    def look_interval(self) -> float:
+        return self.interval or (10.0 if self.remote else 1.0)
 
 
 class Config(_Section):
@@ -369,6 +396,16 @@ class Config(_Section):
     @property
     def adapter_copies(self) -> Path:
         return self.adapters.copies or self.state.dir / "adapters"
+
+    @property
+    def adapter_endpoint(self) -> str | None:
+        """`adapters.endpoint_url`, else the source's when both are on one kind of store."""
+        same_store = (
+            self.source.remote
+            and self.adapters.remote
+            and (self.source.path.partition("://")[0] == (self.adapters.root or "").partition("://")[0])
+        )
+        return self.adapters.endpoint_url or (self.source.endpoint_url if same_store else None)
 
     @property
     def cache_dir(self) -> Path:

@@ -30,6 +30,7 @@ from ..config import Config
 from ..engine import adapters as swapping
 from ..engine.client import EngineClient
 from ..sources.adapters import AdapterGated, AdaptersListed, AdapterSource
+from . import paths
 from .adapter_records import Adapter, Backoff, GateView, Rejections
 from .engine import Engine
 from .metrics import Metrics
@@ -90,7 +91,7 @@ class Adapters:
         if config.adapters.root is None:
             return None
         return AdapterSource(
-            config.adapters.root, config.adapter_copies, config.adapters.interval,
+            paths.adapter_tree(config), config.adapter_copies, config.adapters.look_interval,
             served=lambda: self.gate_against, keep=lambda: self.keep,
             post=self.post, forgotten=self.forgotten,
         )  # fmt: skip

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..errors import ConfigError
+from ..sources.adapter_trees import Tree, tree
 
 _EFFECTIVE = os.access in os.supports_effective_ids
 """Ask as the user the daemon runs as (its effective ids), as its writes will."""
@@ -25,8 +26,10 @@ def check(config: Config) -> None:
     """Each directory `config` names exists, is a directory and is usable by this user; then
     an object-store source's cache gets its `checkpoints/`, which the watcher watches."""
     directory(("state", "dir"), config.state.dir, write=True)
-    if config.adapters.root is not None:
-        directory(("adapters", "root"), config.adapters.root, write=False)
+    if config.adapters.remote:
+        adapter_tree(config)  # the store's URL and client options, checked here (no I/O)
+    elif config.adapters.root is not None:
+        directory(("adapters", "root"), Path(config.adapters.root), write=False)
         if config.adapters.copies is not None:
             directory(("adapters", "copies"), config.adapters.copies, write=True)
     if config.control.socket is not None:
@@ -42,6 +45,12 @@ def check(config: Config) -> None:
     except OSError as exc:
         why = exc.strerror or exc
         raise ConfigError(f"state.cache_dir {config.cache_dir}: cannot make {root}: {why}") from exc
+
+
+def adapter_tree(config: Config) -> Tree:
+    """Where `[adapters]` reads versions from; `ConfigError` for a store it cannot address."""
+    assert config.adapters.root is not None
+    return tree(config.adapters.root, config.adapter_endpoint, timeout=30.0)
 
 
 def directory(section_key: tuple[str, str], path: Path, *, write: bool, of: Path | None = None) -> None:

@@ -1,5 +1,6 @@
 """LoRA adapters as a source of versions: `<root>/<adapter>/<version>/` with PEFT's
-`adapter_config.json` and `adapter_model.safetensors`.
+`adapter_config.json` and `adapter_model.safetensors`, in a local root or an object-store
+prefix (`adapter_trees`).
 
 A thread looks at the root every `interval` seconds (adapters are few and small). A version
 whose two files are there is copied, hashed as it is read, into
@@ -9,10 +10,8 @@ afterwards, and each content has a path of its own (vLLM keys its prefix cache b
 adapter's name and path). A copy of the same bytes made before is kept, never replaced: an
 engine may read it at any time. The copy is gated; one the gate finds not whole yet is
 dropped and taken again at the next look, so no debounce waits on a writer that is done.
-
-Every folder is opened without following a link, one level at a time: a writer who swaps a
-folder for a link to another's adapter gets nothing read through it. What is bigger than an
-adapter of the served model at `max_rank` could be is refused before a byte is copied.
+What is bigger than an adapter of the served model at `max_rank` could be is refused before a
+byte is copied.
 """
 
 from __future__ import annotations
@@ -21,13 +20,12 @@ import itertools
 import os
 import queue
 import shutil
-import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import blake3
 
@@ -35,16 +33,14 @@ from .. import log
 from ..checkpoint import adapter
 from ..checkpoint.adapter import CONFIG_NAME, MAX_CONFIG_BYTES, WEIGHTS_NAME, AdapterVerdict, AdapterVersion
 from ..checkpoint.conventions import name_step
-from ..checkpoint.files import Identity, identity
+from ..errors import SourceError
+from .adapter_trees import CHUNK, Content, Tree
 
 STAGING_PREFIX = ".copying-"
-CHUNK = 8 << 20
-MAX_NAME = 128
 RETRY_SECONDS = 60.0
 """A version rejected for what is not its content (`io`, `internal`) is judged again after this."""
-DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-Content = tuple[Identity, Identity]
+UNREADABLE_SECONDS = 10.0
+"""A version that could not be copied (the store or the disk failed) is tried again after this."""
 _instances = itertools.count()
 
 
@@ -75,15 +71,6 @@ class _Judged:
     retry_at: float | None = None
 
 
-def valid_name(name: str) -> bool:
-    """An adapter's or a version's folder name: what a model name and a path may safely be."""
-    return (
-        0 < len(name) <= MAX_NAME
-        and not name.startswith(".")
-        and all(c.isascii() and (c.isalnum() or c in "._-") for c in name)
-    )
-
-
 def max_weights_bytes(served: adapter.Served) -> int:
     """The most an adapter of the served model can hold: A and B for every 2-D weight, at
     `max_rank`, in F32, and a header's worth more."""
@@ -94,7 +81,7 @@ def max_weights_bytes(served: adapter.Served) -> int:
 class AdapterSource:
     def __init__(
         self,
-        root: Path,
+        tree: Tree,
         copies: Path,
         interval: float,
         served: Callable[[], adapter.Served | None],
@@ -105,15 +92,16 @@ class AdapterSource:
         """`served`: what the gate compares with (None: not known yet, nothing is judged);
         `keep`: copies in use (None: not known yet, none is removed); `forgotten`: versions
         (adapter, version) to judge again, their copy found changed."""
-        self.root, self.copies, self.interval = root, copies, interval
+        self.tree, self.copies, self.interval = tree, copies, interval
         self._served, self._keep, self._post = served, keep, post
         self._forgotten = forgotten or queue.SimpleQueue()
         self._judged: dict[tuple[str, str], _Judged] = {}
         self._seen = itertools.count()
+        self._said: set[tuple[object, ...]] = set()
         self._stop = threading.Event()
         self._staging = f"{STAGING_PREFIX}{os.getpid()}-{next(_instances)}-"
         self._thread = threading.Thread(target=self._run, name="adapters", daemon=True)
-        self.log = log.get().bind(root=str(root))
+        self.log = log.get().bind(root=tree.where)
 
     def start(self) -> None:
         self._thread.start()
@@ -131,9 +119,16 @@ class AdapterSource:
         while not self._stop.is_set():
             try:
                 self.scan()
-            except OSError as exc:  # the root itself: said, and looked at again
-                self.log.warning("adapters.unreadable", reason=f"{exc.strerror or exc}")
+            except (OSError, SourceError) as exc:  # the root itself: said once, looked at again
+                self._say("adapters.unreadable", reason=_reason(exc))
             self._stop.wait(self.interval)
+
+    def _say(self, event: str, **fields: Any) -> None:
+        """A warning said once for as long as it holds (a look every second would repeat it)."""
+        key = (event, *sorted(fields.items()))
+        if key not in self._said:
+            self._said.add(key)
+            self.log.warning(event, **fields)
 
     def scan(self) -> None:
         """One look at the root: every version not judged in its present content is."""
@@ -142,41 +137,26 @@ class AdapterSource:
             return
         while not self._forgotten.empty():
             self._judged.pop(self._forgotten.get_nowait(), None)
-        root_fd = os.open(self.root, DIR_FLAGS)
+        said, self._said = self._said, set()
         try:
-            names = frozenset(n for n in _folders(root_fd) if valid_name(n))
-            present = set()
-            for name in sorted(names):
-                for version, content in self._versions(root_fd, name):
-                    if self._stop.is_set():
-                        return
-                    present.add((name, version))
-                    self._consider(root_fd, name, version, content, served)
-        finally:
-            os.close(root_fd)
+            listing = self.tree.list(self._say)
+        except BaseException:
+            self._said = said  # the same failure again is not said again
+            raise
+        present = set()
+        for name, versions in sorted(listing.items()):
+            for version, content in sorted(versions.items()):
+                if self._stop.is_set():
+                    return
+                present.add((name, version))
+                self._consider(name, version, content, served)
         for gone in set(self._judged) - present:  # its folder is gone: its copy may go once unused
             del self._judged[gone]
-        if names:  # an empty root (a mount not there) unloads nothing
-            self._post(AdaptersListed(names))
+        if listing:  # an empty root (a mount not there) unloads nothing
+            self._post(AdaptersListed(frozenset(listing)))
         self._prune()
 
-    def _versions(self, root_fd: int, name: str) -> Iterator[tuple[str, Content | None]]:
-        try:
-            with _directory(name, root_fd) as adapter_fd:
-                for version in sorted(v for v in _folders(adapter_fd) if valid_name(v)):
-                    try:
-                        with _directory(version, adapter_fd) as version_fd:
-                            yield version, _content(version_fd)
-                    except OSError as exc:
-                        self.log.warning(
-                            "adapter.unreadable", adapter=name, version=version, reason=str(exc)[:300]
-                        )
-        except OSError as exc:  # this adapter's folder only
-            self.log.warning("adapter.unreadable", adapter=name, reason=str(exc)[:300])
-
-    def _consider(
-        self, root_fd: int, name: str, version: str, content: Content | None, served: adapter.Served
-    ) -> None:
+    def _consider(self, name: str, version: str, content: Content | None, served: adapter.Served) -> None:
         judged = self._judged.get((name, version))
         if content is None or (
             judged is not None
@@ -186,7 +166,12 @@ class AdapterSource:
         ):
             return
         try:
-            verdict, copy = self._judge(root_fd, name, version, content, served)
+            verdict, copy = self._judge(name, version, content, served)
+        except (OSError, SourceError) as exc:  # not the content's fault: tried again in a while
+            self._say("adapter.unreadable", adapter=name, version=version, reason=_reason(exc))
+            retry_at = time.monotonic() + UNREADABLE_SECONDS
+            self._judged[(name, version)] = _Judged(content, served, None, retry_at)
+            return
         except Exception as exc:
             verdict, copy = (
                 adapter.AdapterVerdict("rejected", f"{type(exc).__name__}: {exc}"[:500], "internal"),
@@ -200,16 +185,16 @@ class AdapterSource:
         self._post(AdapterGated(name, version, order, verdict, copy if verdict.status == "ready" else None))
 
     def _judge(
-        self, root_fd: int, name: str, version: str, content: Content, served: adapter.Served
+        self, name: str, version: str, content: Content, served: adapter.Served
     ) -> tuple[AdapterVerdict, AdapterVersion | None]:
-        config_size, weights_size = content[0][2], content[1][2]
+        config_size, weights_size = content.sizes
         if config_size > MAX_CONFIG_BYTES or weights_size > (limit := max_weights_bytes(served)):
             too_big = (
                 f"{CONFIG_NAME} of {config_size} and {WEIGHTS_NAME} of {weights_size} bytes: more than "
                 f"an adapter of the served model at r = {served.max_rank} can hold ({limit} bytes)"
             )
             return adapter.AdapterVerdict("rejected", too_big, "size"), None
-        made = self._copy(root_fd, name, version, content)
+        made = self._copy(name, version, content)
         if made is None:  # written meanwhile: the next look takes it
             return adapter.AdapterVerdict("pending", "written while copied"), None
         copy, new = made
@@ -218,9 +203,7 @@ class AdapterSource:
             shutil.rmtree(copy.path, ignore_errors=True)  # pending: taken again; rejected: kept out
         return verdict, AdapterVersion(name, version, copy.path, copy.fingerprint, verdict.files, copy.size)
 
-    def _copy(
-        self, root_fd: int, name: str, version: str, content: Content
-    ) -> tuple[AdapterVersion, bool] | None:
+    def _copy(self, name: str, version: str, content: Content) -> tuple[AdapterVersion, bool] | None:
         """The two files copied and hashed in one read, then renamed into place (or the
         copy of the same bytes made before, kept as it is); None when the source changed while
         it was read. The flag: a new copy."""
@@ -229,13 +212,10 @@ class AdapterSource:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
         os.chmod(staging, 0o755)  # the engine's user reads it, whatever the daemon's umask
-        hasher, size = blake3.blake3(), 0
+        hasher, size = blake3.blake3(), sum(content.sizes)
         try:
-            with _directory(name, root_fd) as adapter_fd, _directory(version, adapter_fd) as version_fd:
-                for file, expected in zip((CONFIG_NAME, WEIGHTS_NAME), content, strict=True):
-                    size += _copy_file(version_fd, file, expected[2], staging / file, hasher)
-                if _content(version_fd) != content:
-                    return None
+            if not self.tree.copy(name, version, content, staging, hasher):
+                return None
             digest = hasher.hexdigest()
             final = self.copies / name / f"{version}@{digest[:32]}"
             self._ensure(final.parent)
@@ -271,63 +251,8 @@ class AdapterSource:
                 shutil.rmtree(copy, ignore_errors=True)
 
 
-@contextmanager
-def _directory(name: str, parent_fd: int) -> Iterator[int]:
-    """A folder opened in its parent without following a link."""
-    fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
-    try:
-        yield fd
-    finally:
-        os.close(fd)
-
-
-def _folders(fd: int) -> list[str]:
-    """Names of the real directories in the folder open as `fd` (no symlinks)."""
-    found = []
-    for name in os.listdir(fd):
-        try:
-            if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
-                found.append(name)
-        except FileNotFoundError:
-            continue
-    return found
-
-
-def _content(version_fd: int) -> Content | None:
-    """The two files' identities, or None while either is missing or not a regular file."""
-    found = []
-    for file in (CONFIG_NAME, WEIGHTS_NAME):
-        try:
-            info = os.stat(file, dir_fd=version_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            return None
-        if not stat.S_ISREG(info.st_mode):
-            return None
-        found.append(identity(info))
-    return found[0], found[1]
-
-
-def _copy_file(version_fd: int, name: str, size: int, target: Path, hasher: blake3.blake3) -> int:
-    """At most `size` bytes (what was listed): a file that grows meanwhile is caught after."""
-    fd = os.open(name, FILE_FLAGS, dir_fd=version_fd)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{name}: not a regular file")
-        hasher.update(name.encode() + b"\0")
-        copied = 0
-        with open(target, "xb") as out:
-            while copied < size and (chunk := os.read(fd, min(CHUNK, size - copied))):
-                hasher.update(chunk)
-                out.write(chunk)
-                copied += len(chunk)
-            # Not fsynced (it doubled the copy's time): after a crash the copy is read again and
-            # compared with the digest its name holds before any engine is given it (`_digest`).
-        os.chmod(target, 0o644)
-        info = os.fstat(fd)  # its time kept: the gate's grace for a file still written is the source's
-        os.utime(target, ns=(info.st_atime_ns, info.st_mtime_ns))
-        return copied
-    finally:
-        os.close(fd)
+def _reason(exc: BaseException) -> str:
+    return (exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc))[:300]
 
 
 def _digest(copy: Path) -> str | None:

@@ -108,7 +108,10 @@ def _bad_variable(url: str, options: Mapping[str, Any], config: Mapping[str, Any
 class Store:
     """One prefix of one bucket; keys are relative to `url`."""
 
-    def __init__(self, url: str, *, endpoint_url: str | None = None, timeout: float = 30.0) -> None:
+    def __init__(
+        self, url: str, *, endpoint_url: str | None = None, timeout: float = 30.0, key: str = "source.path"
+    ) -> None:
+        """`key`: the config key `url` came from, named when it cannot be used."""
         self.url = url.rstrip("/")
         config: dict[str, Any] = {}
         if endpoint_url:
@@ -123,7 +126,7 @@ class Store:
         except (BaseError, ValueError) as exc:
             bad = _bad_variable(self.url, options, config, self._prefix)
             why = f"{bad}: {reasons.first_line(str(exc))[:200]}" if bad else reasons.one_line(exc)
-            raise ConfigError(f"source.path {url!r}: {why}") from exc
+            raise ConfigError(f"{key} {url!r}: {why}") from exc
 
     def _fail(self, what: str, key: str, exc: BaseException) -> SourceError:
         where = f"{self.url}/{key}" if key else self.url
