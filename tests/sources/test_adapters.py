@@ -210,3 +210,44 @@ def test_adapter_source_says_nothing_of_an_empty_root_and_prunes_nothing_while_u
     shutil.rmtree(tmp_path / "root" / "support" / "step-1")
     source.scan()
     assert copy.is_dir(), "kept: which copies the engines hold is not known yet"
+
+
+class FullDisk(LocalTree):
+    """A local root whose copies fail as on a full disk while `full` is set."""
+
+    full = True
+
+    def copy(self, *args, **kw):  # type: ignore[no-untyped-def]
+        if self.full:
+            raise OSError(28, "No space left on device")
+        return super().copy(*args, **kw)
+
+
+def test_adapter_source_says_a_copy_failing_once_retries_it_and_never_rejects_the_version(
+    tmp_path, found, monkeypatch
+):
+    from structlog.testing import capture_logs
+
+    from vllm_reloader.sources import adapters
+
+    monkeypatch.setattr(adapters, "UNREADABLE_SECONDS", 0.0)  # tried again at every look
+    (tmp_path / "root").mkdir()
+    tree = FullDisk(tmp_path / "root")
+    source = AdapterSource(
+        tree, tmp_path / "copies", 0.05, served=lambda: SERVED, keep=lambda: frozenset(), post=found.append
+    )
+    write_adapter(tmp_path / "root" / "support" / "step-1")
+    with capture_logs() as logs:
+        for _ in range(3):
+            source.scan()
+        assert gated(found) == [], "a full disk is not the version's fault"
+        tree.full = False
+        source.scan()
+        assert [m.verdict.status for m in gated(found)] == ["ready"]
+        write_adapter(tmp_path / "root" / "support" / "step-2")
+        tree.full = True
+        source.scan()
+        source.scan()
+    said = [(e["version"], e["reason"]) for e in logs if e["event"] == "adapter.unreadable"]
+    assert said == [("step-1", "No space left on device"), ("step-2", "No space left on device")]
+    assert list((tmp_path / "copies").glob(".copying-*")) == [], "no staging left behind"

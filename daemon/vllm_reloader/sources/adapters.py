@@ -69,6 +69,8 @@ class _Judged:
     served: adapter.Served
     copy: str | None
     retry_at: float | None = None
+    said: tuple[object, ...] | None = None
+    """The warning its copy failed with, which holds until it is tried again."""
 
 
 def max_weights_bytes(served: adapter.Served) -> int:
@@ -98,6 +100,8 @@ class AdapterSource:
         self._judged: dict[tuple[str, str], _Judged] = {}
         self._seen = itertools.count()
         self._said: set[tuple[object, ...]] = set()
+        """Warnings said and still holding: not said again until they stop and come back."""
+        self._holding: set[tuple[object, ...]] = set()
         self._stop = threading.Event()
         self._staging = f"{STAGING_PREFIX}{os.getpid()}-{next(_instances)}-"
         self._thread = threading.Thread(target=self._run, name="adapters", daemon=True)
@@ -123,12 +127,14 @@ class AdapterSource:
                 self._say("adapters.unreadable", reason=_reason(exc))
             self._stop.wait(self.interval)
 
-    def _say(self, event: str, **fields: Any) -> None:
+    def _say(self, event: str, **fields: Any) -> tuple[object, ...]:
         """A warning said once for as long as it holds (a look every second would repeat it)."""
         key = (event, *sorted(fields.items()))
+        self._holding.add(key)
         if key not in self._said:
             self._said.add(key)
             self.log.warning(event, **fields)
+        return key
 
     def scan(self) -> None:
         """One look at the root: every version not judged in its present content is."""
@@ -137,12 +143,8 @@ class AdapterSource:
             return
         while not self._forgotten.empty():
             self._judged.pop(self._forgotten.get_nowait(), None)
-        said, self._said = self._said, set()
-        try:
-            listing = self.tree.list(self._say)
-        except BaseException:
-            self._said = said  # the same failure again is not said again
-            raise
+        self._holding = set()
+        listing = self.tree.list(self._say)  # raises: what was said holds (the root's warning too)
         present = set()
         for name, versions in sorted(listing.items()):
             for version, content in sorted(versions.items()):
@@ -154,10 +156,13 @@ class AdapterSource:
             del self._judged[gone]
         if listing:  # an empty root (a mount not there) unloads nothing
             self._post(AdaptersListed(frozenset(listing)))
+        self._said = self._holding  # a warning not said again this look has stopped holding
         self._prune()
 
     def _consider(self, name: str, version: str, content: Content | None, served: adapter.Served) -> None:
         judged = self._judged.get((name, version))
+        if judged is not None and judged.said is not None:
+            self._holding.add(judged.said)  # until it is tried again
         if content is None or (
             judged is not None
             and judged.content == content
@@ -168,9 +173,9 @@ class AdapterSource:
         try:
             verdict, copy = self._judge(name, version, content, served)
         except (OSError, SourceError) as exc:  # not the content's fault: tried again in a while
-            self._say("adapter.unreadable", adapter=name, version=version, reason=_reason(exc))
+            said = self._say("adapter.unreadable", adapter=name, version=version, reason=_reason(exc))
             retry_at = time.monotonic() + UNREADABLE_SECONDS
-            self._judged[(name, version)] = _Judged(content, served, None, retry_at)
+            self._judged[(name, version)] = _Judged(content, served, None, retry_at, said)
             return
         except Exception as exc:
             verdict, copy = (
