@@ -14,15 +14,18 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import structlog
 from safetensors.numpy import load_file, save_file
 
 from tests.support import background
 from tests.support.engine_fixtures import DaemonProcess, Engine, daemon_config, start_engine
 from tests.support.peft_adapters import make_adapter
 from vllm_reloader.checkpoint import adapter, layout
-from vllm_reloader.config import EngineConfig
+from vllm_reloader.config import EngineConfig, RolloutConfig
 from vllm_reloader.engine.client import EngineClient
 from vllm_reloader.errors import EngineCallFailed
+from vllm_reloader.sources import verdicts
+from vllm_reloader.sources.objstore import Store
 
 pytestmark = pytest.mark.engine
 MAX_RANK = 8
@@ -259,3 +262,51 @@ def test_e2e_daemon_serves_adapter_versions_uploaded_to_an_object_store(lora, tm
         assert daemon.stop() == 0
         with contextlib.suppress(EngineCallFailed):
             client.unload_adapter("gamma")
+
+
+def test_e2e_follower_loads_an_adapter_only_once_a_canary_host_passed_it_and_goes_back_on_recall(
+    lora, tmp_path, bucket
+):
+    """A follower host's daemon on the real engine; the canary host's records are written as
+    a canary host's daemon writes them (`verdicts.Fleet`)."""
+    engine, base, _ = lora
+    version = make_adapter(base, tmp_path / "staged" / "v1", seed=50)
+    client = EngineClient(EngineConfig(url=engine.url))
+    config = daemon_config(
+        tmp_path / "d.toml", root=tmp_path / "root", engine_url=engine.url, state_dir=tmp_path / "state"
+    )
+    text = config.read_text().replace(
+        f'path = "{tmp_path / "root"}"', f'path = "{bucket.url}/checkpoints"', 1
+    )
+    config.write_text(
+        text + f'[adapters]\nroot = "{bucket.url}/adapters"\nmax_rank = {MAX_RANK}\ninterval = 0.2\n'
+        '[rollout]\nrole = "follow"\nhost = "follower-1"\n'
+    )
+    (tmp_path / "canary-host").mkdir()
+    canary_host = verdicts.Fleet(
+        Store(f"{bucket.url}/adapters"),
+        RolloutConfig(host="canary-1"),
+        structlog.get_logger(),
+        tmp_path / "canary-host",
+    )
+    daemon = DaemonProcess(config)
+    try:
+        daemon.wait_for("engine.reconciled", timeout=120)
+        for file in ("adapter_model.safetensors", "adapter_config.json"):
+            bucket.put(f"adapters/delta/step-1/{file}", (version / file).read_bytes())
+        waiting = daemon.wait_for("adapter.waiting", adapter="delta", timeout=60)
+        assert "delta" not in client.adapters(), "not loaded before a canary host passed it"
+        canary_host.queued.put(verdicts.Verdict("delta", "step-1", waiting["fingerprint"], True))
+        assert canary_host.write_queued()
+        daemon.wait_for("adapter.loaded", adapter="delta", version="step-1", timeout=60)
+        assert "delta" in client.adapters()
+        failed = verdicts.Verdict("delta", "step-1", waiting["fingerprint"], False, "its canary failed: NaN")
+        canary_host.queued.put(failed)
+        assert canary_host.write_queued()
+        daemon.wait_for("adapter.recalled", adapter="delta", timeout=60)
+        daemon.wait_for("adapter.unloaded", adapter="delta", cause="rejected", timeout=60)
+        assert "delta" not in client.adapters(), "nothing good to go back to: unloaded"
+    finally:
+        assert daemon.stop() == 0
+        with contextlib.suppress(EngineCallFailed):
+            client.unload_adapter("delta")

@@ -215,17 +215,17 @@ def test_adapters_unload_a_removed_adapter_only_when_configured(tmp_path):
 
 def test_adapters_keep_the_copies_in_use_for_the_source_thread(tmp_path):
     adapters, engine = make(tmp_path), ScriptedEngine("a")
-    first, second = version(tmp_path, "support", 1, seed=1), version(tmp_path, "support", 2, seed=2)
-    adapters.found(first)
-    tick(adapters, [engine])
-    adapters.found(second)
-    tick(adapters, [engine])
-    assert second.copy.path in adapters.keep, "served and last good"
+    first, second, third = (version(tmp_path, "support", n, seed=n) for n in (1, 2, 3))
+    for found in (first, second, third):
+        adapters.found(found)
+        tick(adapters, [engine])
+    assert third.copy.path in adapters.keep, "served and last good"
+    assert second.copy.path in adapters.keep, "the good one before: a recall goes back to it"
     assert first.copy.path not in adapters.keep, "neither: the source may remove it"
     status = adapters.snapshot([engine])  # type: ignore[list-item]
-    assert status["support"]["engines"] == {"a": "step-2"} and status["support"]["last_good"] == "step-2"
+    assert status["support"]["engines"] == {"a": "step-3"} and status["support"]["last_good"] == "step-3"
     shown = render({"adapters": status})
-    assert "adapter   support  newest step-2, last good step-2" in shown and "serving a: step-2" in shown
+    assert "adapter   support  newest step-3, last good step-3" in shown and "serving a: step-3" in shown
 
 
 def test_adapters_blame_no_version_for_a_timeout_or_a_refusal_and_try_it_again_later(tmp_path, monkeypatch):

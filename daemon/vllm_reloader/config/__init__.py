@@ -1,15 +1,14 @@
 """The one frozen config object, parsed and validated once from TOML: the sections in
 `model`, the file in `loading`."""
 
+from .adapters import AdaptersConfig
+from .base import REMOTE_SCHEMES, ConfigPath
 from .loading import MIN_KEY_CHARS, load, parse
 from .model import (
     API_KEY_ENV,
     DEFAULT_MARKERS,
-    REMOTE_SCHEMES,
-    AdaptersConfig,
     CanaryConfig,
     Config,
-    ConfigPath,
     ControlConfig,
     EngineConfig,
     GateConfig,

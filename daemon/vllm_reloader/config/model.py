@@ -6,7 +6,6 @@ falling back to a default.
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 from pathlib import Path
@@ -14,46 +13,22 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
     Field,
     SecretStr,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
 
-REMOTE_SCHEMES = ("s3://", "gs://", "az://")
+from .adapters import AdaptersConfig
+from .base import ConfigPath, Location, Section, is_remote
+
 DEFAULT_MARKERS = ("commit_success.txt", "_SUCCESS", "COMPLETE")
 API_KEY_ENV = "VLLM_API_KEY"
 """vLLM's own variable for `--api-key`: the daemon reads it too when no key file is set."""
 
 
-def _anchored(value: object, info: ValidationInfo) -> object:
-    """A relative path in a config file is relative to the file's directory (`load` passes it
-    as `base`), not to wherever the daemon happened to be started."""
-    if not isinstance(value, str | Path) or "://" in str(value):
-        return value  # an object-store URL, or not a path: the field's own checks say so
-    if str(value) == "":
-        raise ValueError("must not be empty")
-    if "\0" in str(value):
-        raise ValueError("must not hold a NUL character")
-    base = (info.context or {}).get("base")
-    return Path(value) if base is None or Path(value).is_absolute() else Path(os.path.normpath(base / value))
-
-
-ConfigPath = Annotated[Path, BeforeValidator(_anchored)]
-"""A path-valued key: `Path`, resolved against the config file's directory when relative."""
-
-
-class _Section(BaseModel):
-    # No NaN or inf: an infinite interval would never tick (or sleep forever).
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
-
-
-class SourceConfig(_Section):
-    path: str = Field(min_length=1)
+class SourceConfig(Section):
+    path: Annotated[Location, Field(min_length=1)]
     """A local checkpoint root, or an object-store prefix (`s3://`, `gs://`, `az://`)."""
     endpoint_url: str | None = None
     """Object store endpoint (an S3-compatible store); overrides `AWS_ENDPOINT_URL`."""
@@ -94,19 +69,6 @@ class SourceConfig(_Section):
     def _tuple_from_list(cls, value: object) -> object:
         return tuple(value) if isinstance(value, list) else value
 
-    @field_validator("path", mode="before")
-    @classmethod
-    def _str_from_path(cls, value: object, info: ValidationInfo) -> object:
-        value = _anchored(value, info)
-        return str(value) if isinstance(value, Path) else value
-
-    @field_validator("path")
-    @classmethod
-    def _known_scheme(cls, value: str) -> str:
-        if "://" in value and not value.startswith(REMOTE_SCHEMES):
-            raise ValueError(f"unsupported scheme; use a local path or one of {', '.join(REMOTE_SCHEMES)}")
-        return value
-
     @model_validator(mode="after")
     def _converter_runs_here(self) -> SourceConfig:
         if not self.converter:
@@ -128,14 +90,14 @@ class SourceConfig(_Section):
 
     @property
     def remote(self) -> bool:
-        return self.path.startswith(REMOTE_SCHEMES)
+        return is_remote(self.path)
 
     @property
     def interval(self) -> float:
         return self.poll_interval or (10.0 if self.remote else 2.0)
 
 
-class GateConfig(_Section):
+class GateConfig(Section):
     verify_digests: bool = True
     check_finite: bool = True
     """Reject a checkpoint with NaN or Inf in any float tensor (reads every byte, after the digests)."""
@@ -151,7 +113,7 @@ class GateConfig(_Section):
     the largest real checkpoints list ~100-300k."""
 
 
-class EngineConfig(_Section):
+class EngineConfig(Section):
     url: str
     """The engine, or with `urls` the first of them: the canary engine."""
     urls: tuple[str, ...] = ()
@@ -230,7 +192,7 @@ def _engine_url(value: str) -> str:
     return value.rstrip("/")
 
 
-class CanaryConfig(_Section):
+class CanaryConfig(Section):
     """After every reload, real requests must come back with finite logprobs, or it is rolled back."""
 
     enabled: bool = True
@@ -247,7 +209,7 @@ class CanaryConfig(_Section):
         return tuple(value) if isinstance(value, list) else value
 
 
-class StateConfig(_Section):
+class StateConfig(Section):
     dir: ConfigPath
     cache_dir: ConfigPath | None = None
     """Where an object-store source downloads to; default `<dir>/cache`."""
@@ -257,14 +219,14 @@ class StateConfig(_Section):
     """Free space that must remain in `cache_dir` after a download, or it does not start."""
 
 
-class LogConfig(_Section):
+class LogConfig(Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["auto", "json", "console"] = "auto"
     priority_prefix: bool = False
     """`<N>` before each line for journald (the unit turns it on with --log-priority-prefix)."""
 
 
-class ControlConfig(_Section):
+class ControlConfig(Section):
     socket: ConfigPath | None = None
     """The control socket (mode 0660); default `<state.dir>/control.sock`."""
 
@@ -279,12 +241,12 @@ def _host_port(value: str | None) -> str | None:
 Listen = Annotated[str | None, AfterValidator(_host_port)]
 
 
-class MetricsConfig(_Section):
+class MetricsConfig(Section):
     listen: Listen = None
     """`HOST:PORT` for the Prometheus endpoint; off when unset."""
 
 
-class ReadinessConfig(_Section):
+class ReadinessConfig(Section):
     """What a load balancer or a kubelet reads to send an engine traffic or not
     (`service.readiness`)."""
 
@@ -306,7 +268,7 @@ class ReadinessConfig(_Section):
         return self
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     """A fleet of hosts following one object-store prefix (`sources.verdicts`)."""
 
     role: Literal["canary", "follow"] = "canary"
@@ -324,50 +286,7 @@ class RolloutConfig(_Section):
         return value
 
 
-class AdaptersConfig(_Section):
-    """LoRA adapters: `<root>/<adapter>/<version>/` as PEFT writes them, each version gated,
-    loaded under the adapter's name, canaried and rolled back on its own."""
-
-    root: str | None = None
-    """None: adapters are not managed. A local directory, or an object-store prefix (`s3://`,
-    `gs://`, `az://`)."""
-    endpoint_url: str | None = None
-    """The object store's endpoint (as `source.endpoint_url`); default `source.endpoint_url`
-    when the source is on the same kind of store, else the store's own variables."""
-    copies: ConfigPath | None = None
-    """Where verified copies live, the engine's user able to read them; default `<state.dir>/adapters`."""
-    max_rank: int | None = Field(None, ge=1, le=4096)
-    """At most this `r` (None: the engine's `--max-lora-rank`, from `/server_info`; 16 where
-    it does not say). Set, the lower of this and the engine's."""
-    interval: float | None = Field(None, gt=0, le=3600)
-    """How often the root is looked at: default 1 s for a local root, 10 s for an object store
-    (a LIST each time)."""
-    unload_removed: bool = False
-    """Unload an adapter whose folder is gone (else it is served on from its copy)."""
-
-    @field_validator("root", mode="before")
-    @classmethod
-    def _str_from_path(cls, value: object, info: ValidationInfo) -> object:
-        value = _anchored(value, info)
-        return str(value) if isinstance(value, Path) else value
-
-    @field_validator("root")
-    @classmethod
-    def _known_scheme(cls, value: str | None) -> str | None:
-        if value is not None and "://" in value and not value.startswith(REMOTE_SCHEMES):
-            raise ValueError(f"unsupported scheme; use a local path or one of {', '.join(REMOTE_SCHEMES)}")
-        return value
-
-    @property
-    def remote(self) -> bool:
-        return self.root is not None and self.root.startswith(REMOTE_SCHEMES)
-
-    @property
-    def look_interval(self) -> float:
-        return self.interval or (10.0 if self.remote else 1.0)
-
-
-class Config(_Section):
+class Config(Section):
     source: SourceConfig
     engine: EngineConfig
     state: StateConfig

@@ -32,6 +32,8 @@ class Adapter:
     """The newest version the gate passed (its `copy` is what loads)."""
     good: AdapterVersion | None = None
     """The last version that passed its canary on the canary engine: what a failure goes back to."""
+    before: AdapterVersion | None = None
+    """The good one before it: what a recall of the last good one goes back to."""
     last_reload: dict[str, Any] | None = None
     rejected: dict[str, str] = field(default_factory=dict)
     """Version → why (the last few, for `status`)."""
@@ -42,7 +44,13 @@ class Adapter:
         newest = self.newest.copy if self.newest else None
         if canary and newest is not None and newest.fingerprint not in refused:
             return newest
-        return self.good if self.good and self.good.fingerprint not in refused else None
+        return next((v for v in (self.good, self.before) if v and v.fingerprint not in refused), None)
+
+    def passed(self, version: AdapterVersion) -> None:
+        """Its canary passed on the canary engine: the last good one, the one before kept."""
+        if self.good is not None and self.good.fingerprint != version.fingerprint:
+            self.before = self.good
+        self.good = version
 
 
 class Rejections:

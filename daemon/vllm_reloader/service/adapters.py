@@ -19,6 +19,7 @@ adapter whose answers are broken there is unloaded (it was trained on other weig
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import time
 from collections.abc import Callable, Mapping
@@ -29,14 +30,15 @@ from ..checkpoint.adapter import AdapterVersion, Served
 from ..config import Config
 from ..engine import adapters as swapping
 from ..engine.client import EngineClient
-from ..sources.adapters import AdapterGated, AdaptersListed, AdapterSource
+from ..sources.adapter_fleet import AdapterFleet, AdapterRecalled
+from ..sources.adapter_trees import StoreTree
+from ..sources.adapters import AdaptersListed, AdapterSource, Found
+from ..sources.verdicts import Verdict
 from . import paths
 from .adapter_records import Adapter, Backoff, GateView, Rejections
 from .engine import Engine
 from .metrics import Metrics
 from .readiness import Drain
-
-Found = AdapterGated | AdaptersListed
 
 
 def drained(
@@ -85,16 +87,32 @@ class Adapters:
         """What the canary engine serves, for the source thread's gate (replaced, never changed)."""
         self.forgotten: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         """Versions whose copy proved changed: the source judges them again."""
+        self.holds: frozenset[tuple[str, str]] = frozenset()
+        """(adapter, fingerprint) the engines hold, for a follower's recalls (read by the source)."""
         self.source = self._source(config)
 
     def _source(self, config: Config) -> AdapterSource | None:
         if config.adapters.root is None:
             return None
+        tree = paths.adapter_tree(config)
+        fleet = (
+            AdapterFleet(tree.store, config.rollout, self.log, config.state.dir)
+            if isinstance(tree, StoreTree)
+            else None
+        )
         return AdapterSource(
-            paths.adapter_tree(config), config.adapter_copies, config.adapters.look_interval,
+            tree, config.adapter_copies, config.adapters.look_interval,
             served=lambda: self.gate_against, keep=lambda: self.keep,
-            post=self.post, forgotten=self.forgotten,
+            post=self.post, forgotten=self.forgotten, fleet=fleet, holds=lambda: self.holds,
         )  # fmt: skip
+
+    def _tell_fleet(self, target: AdapterVersion, passed: bool, reason: str | None = None) -> None:
+        """The canary engine's verdict, for the hosts reading the same store: a pass from a
+        canary host only, a blamed failure from any."""
+        fleet = self.source.fleet if self.source is not None else None
+        if fleet is not None and (not passed or not fleet.follower):
+            verdict = Verdict(target.adapter, target.version, target.fingerprint, passed, reason)
+            fleet.record(dataclasses.replace(verdict, canary=self.config.canary.enabled))
 
     def start(self) -> None:
         if self.source is not None:
@@ -120,6 +138,13 @@ class Adapters:
     def found(self, message: Found) -> None:
         if isinstance(message, AdaptersListed):
             self.listed = message.names
+            return
+        if isinstance(message, AdapterRecalled):  # engines holding it go back from it (`_next`)
+            self.rejected.remember(message.fingerprint, message.reason)
+            self.log.error(
+                "adapter.recalled", adapter=message.adapter, version=message.version,
+                fingerprint=message.fingerprint, reason=message.reason,
+            )  # fmt: skip
             return
         state = self.known.setdefault(message.adapter, Adapter())
         verdict, copy = message.verdict, message.copy
@@ -206,10 +231,16 @@ class Adapters:
             )
             engine.ask(drained(call, want, engine, drain), partial(self._swapped, engine, canary, base))
             return
-        if removed:
-            for name in sorted((set(held) & set(self.known)) - (self.listed or frozenset())):  # ours only
-                engine.ask(partial(swapping.unload, name=name), partial(self._unloaded, engine, name))
-                return
+        refused_held = [
+            name
+            for name, path in sorted(held.items())  # refused since it loaded, nothing to go back to
+            if (v := self.versions.get(path)) and v.fingerprint in refused
+            and self.known[name].want(canary, refused) is None
+        ]  # fmt: skip
+        gone = sorted((set(held) & set(self.known)) - (self.listed or frozenset())) if removed else []
+        for name, cause in [*((n, "rejected") for n in refused_held), *((n, "removed") for n in gone)]:
+            engine.ask(partial(swapping.unload, name=name), partial(self._unloaded, engine, name, cause))
+            return
 
     # -- what an engine's thread answered ----------------------------------------------------
 
@@ -239,7 +270,8 @@ class Adapters:
             if held is not None:
                 held[target.adapter] = target.path
             if canary:
-                state.good = target
+                state.passed(target)
+                self._tell_fleet(target, passed=True)
             state.last_reload = {"version": target.version, "engine": engine.url, "at": time.time()}
             self._count(target.adapter, "success", engine.url)
             took = round(result.seconds * 1000, 1)
@@ -264,6 +296,7 @@ class Adapters:
                 held.pop(target.adapter, None)
         if canary and result.blamed:
             self.rejected.remember(target.fingerprint, f"its canary failed: {result.canary_failed}")
+            self._tell_fleet(target, passed=False, reason=f"its canary failed: {result.canary_failed}")
             state = self.known[target.adapter]
             state.rejected = {**state.rejected, target.version: f"canary: {result.canary_failed}"}
         else:  # a follower's failure, or no answer: tried again later, blaming nothing
@@ -304,7 +337,7 @@ class Adapters:
             self.checked[engine.url] = base
         self._kept()
 
-    def _unloaded(self, engine: Engine, name: str, error: str | None) -> None:
+    def _unloaded(self, engine: Engine, name: str, cause: str, error: str | None) -> None:
         held = self.held.get(engine.url)
         if error is not None:
             self.held[engine.url] = None
@@ -312,7 +345,7 @@ class Adapters:
             return
         if held is not None:
             held.pop(name, None)
-        engine.log.info("adapter.unloaded", adapter=name, cause="removed")
+        engine.log.info("adapter.unloaded", adapter=name, cause=cause)
         self._kept()
 
     # -- state -----------------------------------------------------------------------------
@@ -325,13 +358,17 @@ class Adapters:
         return found.version if found else None
 
     def _kept(self) -> None:
-        """The copies no one may remove; None while an engine's holdings are unknown."""
+        """The copies no one may remove; None while an engine's holdings are unknown. And what
+        the engines hold, for the fleet's recalls."""
+        holdings = [(name, path) for held in self.held.values() for name, path in (held or {}).items()]
+        self.holds = frozenset((n, v.fingerprint) for n, p in holdings if (v := self.versions.get(p)))
         if any(held is None for held in self.held.values()) or not self.held:
             self.keep = None
             return
         paths = {p for held in self.held.values() for p in (held or {}).values()}
         for state in self.known.values():
-            paths |= {v.path for v in (state.good, state.newest.copy if state.newest else None) if v}
+            newest = state.newest.copy if state.newest else None
+            paths |= {v.path for v in (state.good, state.before, newest) if v}
         self.keep = frozenset(paths)
 
     def snapshot(self, engines: list[Engine]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from .adapters import Adapters
 from .control import ControlServer, Request
 from .messages import (
     AdapterGated,
+    AdapterRecalled,
     AdaptersListed,
     Answered,
     ControlRequest,
@@ -298,7 +299,7 @@ class Daemon:
                 self.reloader.finished(outcome)
             case Reverified():
                 self.reloader.reverified(message)
-            case AdapterGated() | AdaptersListed():
+            case AdapterGated() | AdaptersListed() | AdapterRecalled():
                 self.adapters.found(message)
             case WarmedUp(seconds, problem, engine):
                 self.log.info("engine.warmed", ms=round(seconds * 1000, 1), problem=problem, engine=engine)

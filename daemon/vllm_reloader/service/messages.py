@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..sources.adapter_fleet import AdapterRecalled
 from ..sources.adapters import AdapterGated, AdaptersListed
 from ..sources.remote import Downloaded, Rejected
 from ..sources.verdicts import Recalled
@@ -69,9 +70,11 @@ Message = (
     | SignalReceived
     | AdapterGated
     | AdaptersListed
+    | AdapterRecalled
 )
 __all__ = [
     "AdapterGated",
+    "AdapterRecalled",
     "AdaptersListed",
     "Answered",
     "ControlRequest",

@@ -151,7 +151,7 @@ class StoreTree:
 
 def tree(root: str, endpoint_url: str | None, timeout: float) -> Tree:
     if "://" in root:
-        return StoreTree(Store(root, endpoint_url=endpoint_url, timeout=timeout, key="adapters.root"))
+        return StoreTree(Store(root, endpoint_url=endpoint_url, timeout=timeout, key=("adapters", "root")))
     return LocalTree(Path(root))
 
 

@@ -16,13 +16,14 @@ byte is copied.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import queue
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from ..checkpoint import adapter
 from ..checkpoint.adapter import CONFIG_NAME, MAX_CONFIG_BYTES, WEIGHTS_NAME, AdapterVerdict, AdapterVersion
 from ..checkpoint.conventions import name_step
 from ..errors import SourceError
+from .adapter_fleet import AdapterFleet, AdapterRecalled
 from .adapter_trees import CHUNK, Content, Tree
 
 STAGING_PREFIX = ".copying-"
@@ -63,6 +65,10 @@ class AdaptersListed:
     names: frozenset[str]
 
 
+Found = AdapterGated | AdaptersListed | AdapterRecalled
+"""What the source tells the loop."""
+
+
 @dataclass(frozen=True)
 class _Judged:
     content: Content
@@ -71,6 +77,8 @@ class _Judged:
     retry_at: float | None = None
     said: tuple[object, ...] | None = None
     """The warning its copy failed with, which holds until it is tried again."""
+    waiting: AdapterGated | None = None
+    """A follower: what is posted once the canary hosts pass it."""
 
 
 def max_weights_bytes(served: adapter.Served) -> int:
@@ -88,13 +96,18 @@ class AdapterSource:
         interval: float,
         served: Callable[[], adapter.Served | None],
         keep: Callable[[], frozenset[str] | None],
-        post: Callable[[AdapterGated | AdaptersListed], None],
+        post: Callable[[Found], None],
         forgotten: queue.SimpleQueue[tuple[str, str]] | None = None,
+        fleet: AdapterFleet | None = None,
+        holds: Callable[[], Iterable[tuple[str, str]]] = tuple,
     ) -> None:
         """`served`: what the gate compares with (None: not known yet, nothing is judged);
         `keep`: copies in use (None: not known yet, none is removed); `forgotten`: versions
-        (adapter, version) to judge again, their copy found changed."""
+        (adapter, version) to judge again, their copy found changed; `fleet`: the records of
+        the hosts reading the same store; `holds`: what engines here hold, as (adapter,
+        fingerprint), for a follower's recalls."""
         self.tree, self.copies, self.interval = tree, copies, interval
+        self.fleet, self._holds = fleet, holds
         self._served, self._keep, self._post = served, keep, post
         self._forgotten = forgotten or queue.SimpleQueue()
         self._judged: dict[tuple[str, str], _Judged] = {}
@@ -129,11 +142,17 @@ class AdapterSource:
 
     def _say(self, event: str, **fields: Any) -> tuple[object, ...]:
         """A warning said once for as long as it holds (a look every second would repeat it)."""
+        return self._said_once(self.log.warning, event, **fields)
+
+    def _said_info(self, event: str, **fields: Any) -> tuple[object, ...]:
+        return self._said_once(self.log.info, event, **fields)
+
+    def _said_once(self, say: Callable[..., Any], event: str, **fields: Any) -> tuple[object, ...]:
         key = (event, *sorted(fields.items()))
         self._holding.add(key)
         if key not in self._said:
             self._said.add(key)
-            self.log.warning(event, **fields)
+            say(event, **fields)
         return key
 
     def scan(self) -> None:
@@ -154,6 +173,8 @@ class AdapterSource:
                 self._consider(name, version, content, served)
         for gone in set(self._judged) - present:  # its folder is gone: its copy may go once unused
             del self._judged[gone]
+        if self.fleet is not None:
+            self._tend(self.fleet)
         if listing:  # an empty root (a mount not there) unloads nothing
             self._post(AdaptersListed(frozenset(listing)))
         self._said = self._holding  # a warning not said again this look has stopped holding
@@ -185,9 +206,45 @@ class AdapterSource:
         if verdict.status == "pending":
             return
         retry = time.monotonic() + RETRY_SECONDS if verdict.check in ("io", "internal") else None
-        self._judged[(name, version)] = _Judged(content, served, copy.path if copy else None, retry)
         order = (step if (step := name_step(version)) is not None else -1, next(self._seen))
-        self._post(AdapterGated(name, version, order, verdict, copy if verdict.status == "ready" else None))
+        message = AdapterGated(name, version, order, verdict, copy if verdict.status == "ready" else None)
+        follow = self.fleet is not None and self.fleet.follower and message.copy is not None
+        waiting = message if follow else None  # a follower's: posted once the canary hosts pass it
+        kept = copy.path if copy else None
+        self._judged[(name, version)] = _Judged(content, served, kept, retry, None, waiting)
+        if not follow:
+            self._post(message)
+
+    def _tend(self, fleet: AdapterFleet) -> None:
+        """The fleet's turn: verdicts written; of each adapter's versions waiting for the canary
+        hosts the newest asked about (one older is asked once that one failed, never once it
+        passed: an older one is never loaded then); recalls."""
+        newest: dict[str, tuple[tuple[str, str], AdapterGated]] = {}
+        for where, judged in self._judged.items():
+            if (waiting := judged.waiting) is not None and (
+                where[0] not in newest or waiting.order > newest[where[0]][1].order
+            ):
+                newest[where[0]] = (where, waiting)
+        for where, waiting in newest.values():
+            assert waiting.copy is not None
+            status, why = fleet.clearance(waiting.adapter, waiting.copy.fingerprint)
+            if status == "waiting":
+                fingerprint = waiting.copy.fingerprint
+                self._said_info(
+                    "adapter.waiting", adapter=where[0], version=where[1], fingerprint=fingerprint, reason=why
+                )
+                continue
+            self._judged[where] = dataclasses.replace(self._judged[where], waiting=None)
+            if status == "cleared":
+                self._post(waiting)
+                for other, judged in self._judged.items():  # older: never loaded now, never asked
+                    if other[0] == where[0] and judged.waiting and judged.waiting.order < waiting.order:
+                        self._judged[other] = dataclasses.replace(judged, waiting=None)
+            else:
+                verdict = adapter.AdapterVerdict("rejected", why, "fleet")
+                self._post(dataclasses.replace(waiting, verdict=verdict, copy=None))
+        for recalled in fleet.tend(self._holds()):
+            self._post(recalled)
 
     def _judge(
         self, name: str, version: str, content: Content, served: adapter.Served

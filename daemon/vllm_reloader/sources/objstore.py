@@ -109,7 +109,12 @@ class Store:
     """One prefix of one bucket; keys are relative to `url`."""
 
     def __init__(
-        self, url: str, *, endpoint_url: str | None = None, timeout: float = 30.0, key: str = "source.path"
+        self,
+        url: str,
+        *,
+        endpoint_url: str | None = None,
+        timeout: float = 30.0,
+        key: tuple[str, str] = ("source", "path"),
     ) -> None:
         """`key`: the config key `url` came from, named when it cannot be used."""
         self.url = url.rstrip("/")
@@ -126,7 +131,7 @@ class Store:
         except (BaseError, ValueError) as exc:
             bad = _bad_variable(self.url, options, config, self._prefix)
             why = f"{bad}: {reasons.first_line(str(exc))[:200]}" if bad else reasons.one_line(exc)
-            raise ConfigError(f"{key} {url!r}: {why}") from exc
+            raise ConfigError(f"{'.'.join(key)} {url!r}: {why}") from exc
 
     def _fail(self, what: str, key: str, exc: BaseException) -> SourceError:
         where = f"{self.url}/{key}" if key else self.url

@@ -1,0 +1,64 @@
+"""The fleet rules for adapters read from an object store, as for checkpoints (`verdicts`).
+
+Every host that reads one adapter prefix shares its records, under
+`<prefix>/<adapter>/_verdicts/<fingerprint>/<host>.<passed|failed>.json`: a canary host
+records what its canary engine's canary made of each content (a fingerprint is the digest of
+the copy's bytes, the same on every host); any host records a content its canary blamed. A
+follower loads only a version `min_canaries` canary hosts passed and none failed, and goes
+back from one it serves that a canary host fails later. The records are written and read on
+the adapter source's thread, never on the loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from ..config import RolloutConfig
+from . import verdicts
+from .objstore import Store
+from .verdicts import Verdict
+
+Clearance = Literal["cleared", "waiting", "failed"]
+STATE_DIR = "adapter-fleet"
+"""In the state dir: this fleet's unwritten verdicts and instance id (the checkpoints' are apart)."""
+
+
+@dataclass(frozen=True)
+class AdapterRecalled:
+    """A follower: a canary host failed a content an engine here holds; go back from it."""
+
+    adapter: str
+    version: str
+    fingerprint: str
+    reason: str
+
+
+class AdapterFleet:
+    def __init__(self, store: Store, rollout: RolloutConfig, log: Any, state_dir: Path) -> None:
+        directory = state_dir / STATE_DIR
+        directory.mkdir(mode=0o700, exist_ok=True)
+        self.follower = rollout.role == "follow"
+        self.records = verdicts.Fleet(store, rollout, log, directory)
+
+    def record(self, verdict: Verdict) -> None:
+        """From the loop: kept on disk at once, written by the source's thread at its next look."""
+        self.records.add(verdict)
+
+    def clearance(self, adapter: str, fingerprint: str) -> tuple[Clearance, str]:
+        """Whether this host may load the content: always on a canary host."""
+        if not self.follower:
+            return "cleared", "a canary host"
+        return self.records.clearance(adapter, fingerprint)
+
+    def tend(self, served: Iterable[tuple[str, str]]) -> list[AdapterRecalled]:
+        """One look's turn: the verdicts queued written; a follower's recalls of what it serves
+        (`served`: (adapter, fingerprint)), each told once."""
+        self.records.write_queued()
+        if not self.follower:
+            return []
+        return [
+            AdapterRecalled(r.name, r.version, r.fingerprint, r.reason) for r in self.records.recalls(served)
+        ]

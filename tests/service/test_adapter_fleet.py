@@ -1,0 +1,72 @@
+"""The fleet rules for adapters on the loop, with scripted engines: a canary host tells the
+fleet its canary engine's verdicts; a follower recalled from a content goes back from it on
+every engine (to the version good before it, or unloads the adapter)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import structlog
+from structlog.testing import capture_logs
+
+from vllm_reloader.config import parse
+from vllm_reloader.service.adapters import Adapters
+from vllm_reloader.service.metrics import Metrics
+from vllm_reloader.sources.adapter_fleet import AdapterRecalled
+from vllm_reloader.sources.verdicts import Verdict
+
+from .test_adapters import ScriptedEngine, tick, version
+
+
+def on_store(tmp_path: Path, role: str) -> Adapters:
+    (tmp_path / "state").mkdir(parents=True, exist_ok=True)
+    config = parse(
+        f'[source]\npath = "s3://bucket/runs"\n[engine]\nurl = "http://127.0.0.1:1"\n'
+        f'[state]\ndir = "{tmp_path / "state"}"\n[adapters]\nroot = "s3://bucket/adapters"\n'
+        f'[rollout]\nrole = "{role}"\nhost = "host-a"\n'
+    )
+    return Adapters(config, structlog.get_logger(), Metrics(), post=lambda _: None)
+
+
+def told(adapters: Adapters) -> list[Verdict]:
+    assert adapters.source is not None and adapters.source.fleet is not None
+    return adapters.source.fleet.records.pending()
+
+
+def test_a_canary_host_tells_the_fleet_its_canary_engines_pass_and_blamed_failure_only(tmp_path, s3_env):
+    adapters, canary, follower = on_store(tmp_path, "canary"), ScriptedEngine("a"), ScriptedEngine("b")
+    good, bad = version(tmp_path, "support", 1, seed=1), version(tmp_path, "support", 2, seed=2)
+    adapters.found(good)
+    tick(adapters, [canary, follower])
+    canary.client.broken.add(bad.copy.path)
+    adapters.found(bad)
+    tick(adapters, [canary, follower])
+    assert [(v.version, v.fingerprint, v.passed) for v in told(adapters)] == [
+        ("step-1", good.copy.fingerprint, True),
+        ("step-2", bad.copy.fingerprint, False),
+    ], "one verdict per content, from the canary engine only"
+    assert "its canary failed" in (told(adapters)[1].reason or "")
+    kept = tmp_path / "state" / "adapter-fleet" / "unwritten-verdicts.json"
+    assert kept.is_file(), "kept across a restart until written"
+
+
+def test_a_follower_tells_the_fleet_no_pass_and_goes_back_from_a_recalled_content(tmp_path, s3_env):
+    adapters, first, second = on_store(tmp_path, "follow"), ScriptedEngine("a"), ScriptedEngine("b")
+    one, two = version(tmp_path, "support", 1, seed=1), version(tmp_path, "support", 2, seed=2)
+    for found in (one, two):
+        adapters.found(found)
+        tick(adapters, [first, second])
+    assert first.client.loaded == second.client.loaded == {"support": two.copy.path}
+    assert told(adapters) == [], "a follower's pass counts for nothing"
+    assert adapters.holds == {("support", two.copy.fingerprint)}, "what the source checks for recalls"
+    with capture_logs() as logs:
+        adapters.found(AdapterRecalled("support", "step-2", two.copy.fingerprint, "canary host c failed it"))
+        tick(adapters, [first, second])
+    assert first.client.loaded == second.client.loaded == {"support": one.copy.path}, "the good one before"
+    assert [e["reason"] for e in logs if e["event"] == "adapter.recalled"] == ["canary host c failed it"]
+    assert two.copy.fingerprint in adapters.rejected, "kept: a restart does not load it again"
+    with capture_logs() as logs:
+        adapters.found(AdapterRecalled("support", "step-1", one.copy.fingerprint, "canary host c failed it"))
+        tick(adapters, [first, second])
+    assert first.client.loaded == second.client.loaded == {}, "nothing good to go back to: unloaded"
+    assert [e["cause"] for e in logs if e["event"] == "adapter.unloaded"] == ["rejected", "rejected"]

@@ -1,0 +1,101 @@
+"""The adapter source's side of the fleet, on S3 (moto) and Azurite: a follower posts a gated
+version only once the canary hosts passed it (a failure rejects it), and recalls what engines
+here hold when a canary host fails it later; a canary host's verdicts are written to the
+records the checkpoints' fleet reads, never taken for versions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import structlog
+from structlog.testing import capture_logs
+
+from tests.support.adapters import write_adapter
+from tests.support.store_fixtures import WRITABLE, Bucket
+from vllm_reloader.config import RolloutConfig
+from vllm_reloader.sources.adapter_fleet import AdapterFleet, AdapterRecalled
+from vllm_reloader.sources.adapter_trees import StoreTree
+from vllm_reloader.sources.adapters import AdapterSource, Found
+from vllm_reloader.sources.objstore import Store
+from vllm_reloader.sources.verdicts import Verdict
+
+from .test_adapter_trees import upload
+from .test_adapters import SERVED, gated
+
+pytestmark = pytest.mark.stores(*WRITABLE)
+
+
+class Host:
+    """One daemon's adapter source on the bucket, with its own state dir."""
+
+    def __init__(self, bucket: Bucket, tmp_path: Path, name: str, role: str) -> None:
+        (tmp_path / name).mkdir()
+        store = Store(bucket.url)
+        self.fleet = AdapterFleet(
+            store,
+            RolloutConfig(role=role, host=name),
+            structlog.get_logger(),
+            tmp_path / name,  # type: ignore[arg-type]
+        )
+        self.found: list[Found] = []
+        self.holds: set[tuple[str, str]] = set()
+        self.source = AdapterSource(
+            StoreTree(store), tmp_path / name / "copies", 0.05,
+            served=lambda: SERVED, keep=lambda: frozenset(), post=self.found.append,
+            fleet=self.fleet, holds=lambda: frozenset(self.holds),
+        )  # fmt: skip
+
+    def ready(self) -> list[str]:
+        return [m.version for m in gated(self.found) if m.verdict.status == "ready"]
+
+
+def hosts(bucket: Bucket, tmp_path: Path) -> tuple[Host, Host]:
+    return Host(bucket, tmp_path, "canary-1", "canary"), Host(bucket, tmp_path, "follower-1", "follow")
+
+
+def test_a_follower_posts_a_version_only_once_a_canary_host_passed_it(bucket, tmp_path):
+    upload(bucket, write_adapter(tmp_path / "v0", seed=0), "support/step-0")  # never canaried
+    upload(bucket, write_adapter(tmp_path / "v1", seed=1), "support/step-1")
+    canary, follower = hosts(bucket, tmp_path)
+    with capture_logs() as logs:
+        follower.source.scan()
+        follower.source.scan()
+    assert follower.ready() == []
+    assert [e["reason"] for e in logs if e["event"] == "adapter.waiting"] == [
+        "waiting for canary hosts: 0 of 1 passed"
+    ], "said once"
+    canary.source.scan()
+    passed = gated(canary.found)[-1]
+    assert passed.copy is not None and passed.version == "step-1"
+    canary.fleet.record(Verdict("support", "step-1", passed.copy.fingerprint, True))
+    canary.source.scan()  # writes it
+    records = [k for k in bucket.listed() if "_verdicts" in k]
+    assert records == [f"support/_verdicts/{passed.copy.fingerprint}/canary-1.passed.json"]
+    follower.source.scan()
+    assert follower.ready() == ["step-1"], "the same bytes: the same fingerprint on both hosts"
+    assert [m.version for m in gated(canary.found)] == ["step-0", "step-1"], "records are no versions"
+    assert follower.source._judged[("support", "step-0")].waiting is None, "older: never asked now"
+
+
+def test_a_follower_rejects_what_a_canary_host_failed_and_recalls_what_it_holds(bucket, tmp_path):
+    upload(bucket, write_adapter(tmp_path / "v1", seed=1), "support/step-1")
+    upload(bucket, write_adapter(tmp_path / "v2", seed=2), "support/step-2")
+    canary, follower = hosts(bucket, tmp_path)
+    canary.source.scan()
+    one, two = (m.copy.fingerprint for m in gated(canary.found) if m.copy)
+    canary.fleet.record(Verdict("support", "step-1", one, True))
+    canary.fleet.record(Verdict("support", "step-2", two, False, "its canary failed: NaN"))
+    canary.source.scan()
+    follower.source.scan()
+    follower.source.scan()
+    decided = [(m.version, m.verdict.status, m.verdict.check) for m in gated(follower.found)]
+    assert decided == [("step-2", "rejected", "fleet"), ("step-1", "ready", "")], "newest first"
+    follower.holds.add(("support", one))
+    canary.fleet.record(Verdict("support", "step-1", one, False, "its canary failed: flat"))
+    canary.source.scan()
+    follower.source.scan()
+    follower.source.scan()
+    recalled = [m for m in follower.found if isinstance(m, AdapterRecalled)]
+    assert [(r.adapter, r.fingerprint) for r in recalled] == [("support", one)], "told once"
+    assert "canary host canary-1 failed it" in recalled[0].reason
