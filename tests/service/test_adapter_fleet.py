@@ -70,3 +70,20 @@ def test_a_follower_tells_the_fleet_no_pass_and_goes_back_from_a_recalled_conten
         tick(adapters, [first, second])
     assert first.client.loaded == second.client.loaded == {}, "nothing good to go back to: unloaded"
     assert [e["cause"] for e in logs if e["event"] == "adapter.unloaded"] == ["rejected", "rejected"]
+
+
+def test_a_sighup_that_moves_the_state_dir_hands_the_unwritten_verdicts_over(tmp_path, s3_env):
+    adapters, canary = on_store(tmp_path, "canary"), ScriptedEngine("a")
+    adapters.found(version(tmp_path, "support", 1, seed=1))
+    tick(adapters, [canary])
+    [verdict] = told(adapters)
+    old = adapters.source
+    (tmp_path / "state2").mkdir()
+    adapters.reconfigure(
+        adapters.config.model_copy(
+            update={"state": adapters.config.state.model_copy(update={"dir": tmp_path / "state2"})}
+        )
+    )
+    assert adapters.source is not old and told(adapters) == [verdict]
+    assert (tmp_path / "state2" / "adapter-fleet" / "unwritten-verdicts.json").is_file()
+    adapters.close()

@@ -128,9 +128,16 @@ class Adapters:
     def reconfigure(self, config: Config) -> None:
         """SIGHUP: a new `[adapters]` (or state dir) gets a new source thread; what is known stays."""
         old, self.config = self.config, config
-        if (old.adapters, old.adapter_copies) != (config.adapters, config.adapter_copies):
+
+        def parts(c: Config) -> tuple[object, ...]:
+            return (c.adapters, c.adapter_copies, c.adapter_endpoint, c.rollout, c.state.dir)
+
+        if parts(old) != parts(config):
+            before = self.source
             self.close()
             self.source = self._source(config)
+            if before and before.fleet and self.source and self.source.fleet:  # no verdict is lost
+                self.source.fleet.records.adopt(before.fleet.records.detach())
             self.start()
 
     # -- what the source found --------------------------------------------------------------

@@ -174,7 +174,10 @@ class AdapterSource:
         for gone in set(self._judged) - present:  # its folder is gone: its copy may go once unused
             del self._judged[gone]
         if self.fleet is not None:
-            self._tend(self.fleet)
+            try:
+                self._tend(self.fleet)
+            except SourceError as exc:  # the records only: the versions found still count
+                self._say("adapters.unreadable", reason=f"the fleet's records: {_reason(exc)}")
         if listing:  # an empty root (a mount not there) unloads nothing
             self._post(AdaptersListed(frozenset(listing)))
         self._said = self._holding  # a warning not said again this look has stopped holding
