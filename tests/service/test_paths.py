@@ -149,3 +149,12 @@ def test_config_adapters_from_the_sources_store_take_its_endpoint_and_a_slower_l
     assert with_adapters(local(tmp_path), root=str(tmp_path)).adapters.look_interval == 1.0
     with pytest.raises(ValueError, match="unsupported scheme"):
         config.AdaptersConfig(root="ftp://host/adapters")
+
+
+def test_paths_adapter_copies_inside_the_adapter_root_are_refused(tmp_path):
+    root, copies = tmp_path / "adapters", tmp_path / "adapters" / "copies"
+    copies.mkdir(parents=True)
+    assert refused(with_adapters(local(tmp_path), root=str(root), copies=copies)).startswith(
+        f"adapters.copies {copies}: inside adapters.root"
+    )
+    paths.check(with_adapters(local(tmp_path), root=str(root), copies=tmp_path / "state"))

@@ -251,3 +251,27 @@ def test_adapter_source_says_a_copy_failing_once_retries_it_and_never_rejects_th
     said = [(e["version"], e["reason"]) for e in logs if e["event"] == "adapter.unreadable"]
     assert said == [("step-1", "No space left on device"), ("step-2", "No space left on device")]
     assert list((tmp_path / "copies").glob(".copying-*")) == [], "no staging left behind"
+
+
+def test_adapter_source_thread_takes_a_version_renamed_into_a_watched_root_without_waiting_a_look(
+    tmp_path, found
+):
+    (tmp_path / "root").mkdir()
+    source = AdapterSource(
+        LocalTree(tmp_path / "root"), tmp_path / "copies", 3600.0,  # looks: once an hour
+        served=lambda: SERVED, keep=lambda: frozenset(), post=found.append,
+    )  # fmt: skip
+    source.start()
+    try:
+        source._stop.wait(0.3)  # the first look done, the watch in place
+        staged = write_adapter(tmp_path / "staged" / "step-1")
+        (tmp_path / "root" / "support").mkdir()
+        staged.rename(tmp_path / "root" / "support" / "step-1")
+        for _ in range(100):
+            if gated(found):
+                break
+            source._stop.wait(0.05)
+        assert [m.version for m in gated(found)] == ["step-1"], "woken by inotify, not the hourly look"
+    finally:
+        source.close()
+    assert not source.is_alive()

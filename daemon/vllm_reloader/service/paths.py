@@ -30,6 +30,12 @@ def check(config: Config) -> None:
         adapter_tree(config)  # the store's URL and client options, checked here (no I/O)
     elif config.adapters.root is not None:
         directory(("adapters", "root"), Path(config.adapters.root), write=False)
+        root, copies = Path(config.adapters.root).resolve(), config.adapter_copies.resolve()
+        if copies == root or root in copies.parents:
+            raise ConfigError(
+                f"adapters.copies {config.adapter_copies}: inside adapters.root {config.adapters.root}, "
+                "where its copies would be taken for adapters; set it outside the root"
+            )
         if config.adapters.copies is not None:
             directory(("adapters", "copies"), config.adapters.copies, write=True)
     if config.control.socket is not None:

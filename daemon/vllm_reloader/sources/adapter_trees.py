@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +23,7 @@ import blake3
 from ..checkpoint.adapter import CONFIG_NAME, WEIGHTS_NAME
 from ..checkpoint.files import identity
 from ..errors import ObjectChanged
+from .local import Watcher, needs_polling
 from .objstore import Object, Store
 
 FILES = (CONFIG_NAME, WEIGHTS_NAME)
@@ -53,6 +54,10 @@ class Tree(Protocol):
 
     def copy(self, name: str, version: str, content: Content, into: Path, hasher: blake3.blake3) -> bool:
         """The two files into `into`, hashed in order; False when they changed meanwhile."""
+        ...
+
+    def watch(self, wake: Callable[[], None]) -> Watcher | None:
+        """Something calling `wake` at each change under the root, started (None: none can)."""
         ...
 
 
@@ -90,6 +95,15 @@ class LocalTree:
         except OSError as exc:  # this adapter's folder only
             say("adapter.unreadable", adapter=name, reason=str(exc)[:300])
         return found
+
+    def watch(self, wake: Callable[[], None]) -> Watcher | None:
+        """inotify: a version renamed in is looked at at once, not at the next look (a network
+        filesystem, where inotify sees no other host's writes, is only looked at)."""
+        if needs_polling(self.root):
+            return None
+        watcher = Watcher(self.root, ignore=(), notify=lambda _: wake(), poll=False, poll_interval=1.0)
+        watcher.start()
+        return watcher
 
     def copy(self, name: str, version: str, content: Content, into: Path, hasher: blake3.blake3) -> bool:
         with (
@@ -129,6 +143,9 @@ class StoreTree:
                 config, weights = (both[file] for file in FILES)
                 found[name][version] = Content((config.size, weights.size), (config, weights))
         return found
+
+    def watch(self, wake: Callable[[], None]) -> Watcher | None:
+        return None  # a store tells nothing: it is listed
 
     def copy(self, name: str, version: str, content: Content, into: Path, hasher: blake3.blake3) -> bool:
         try:

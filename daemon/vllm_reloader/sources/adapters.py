@@ -116,6 +116,7 @@ class AdapterSource:
         """Warnings said and still holding: not said again until they stop and come back."""
         self._holding: set[tuple[object, ...]] = set()
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._staging = f"{STAGING_PREFIX}{os.getpid()}-{next(_instances)}-"
         self._thread = threading.Thread(target=self._run, name="adapters", daemon=True)
         self.log = log.get().bind(root=tree.where)
@@ -128,17 +129,28 @@ class AdapterSource:
 
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
     def _run(self) -> None:
         self._sweep()
-        while not self._stop.is_set():
-            try:
-                self.scan()
-            except (OSError, SourceError) as exc:  # the root itself: said once, looked at again
-                self._say("adapters.unreadable", reason=_reason(exc))
-            self._stop.wait(self.interval)
+        try:
+            watcher = self.tree.watch(self._wake.set)
+        except OSError as exc:  # inotify's limits: every `interval` it is looked at all the same
+            watcher = None
+            self.log.warning("adapters.unwatched", reason=_reason(exc), interval=self.interval)
+        try:
+            while not self._stop.is_set():
+                try:
+                    self.scan()
+                except (OSError, SourceError) as exc:  # the root itself: said once, looked at again
+                    self._say("adapters.unreadable", reason=_reason(exc))
+                self._wake.wait(self.interval)  # a change under a watched root wakes it at once
+                self._wake.clear()
+        finally:
+            if watcher is not None:
+                watcher.close()
 
     def _say(self, event: str, **fields: Any) -> tuple[object, ...]:
         """A warning said once for as long as it holds (a look every second would repeat it)."""
