@@ -87,3 +87,21 @@ def test_a_sighup_that_moves_the_state_dir_hands_the_unwritten_verdicts_over(tmp
     assert adapters.source is not old and told(adapters) == [verdict]
     assert (tmp_path / "state2" / "adapter-fleet" / "unwritten-verdicts.json").is_file()
     adapters.close()
+
+
+def test_the_version_good_before_is_gone_back_to_on_a_recall_only(tmp_path):
+    from vllm_reloader.service.adapter_records import Adapter
+
+    one, two = (version(tmp_path, "support", n, seed=n).copy for n in (1, 2))
+    assert one is not None and two is not None
+    state = Adapter()
+    state.passed(one)
+    state.passed(two)
+    assert state.want(True, {two.fingerprint}) is None, "unfit on a new base: not the older one"
+    state.good = None  # its copy proved changed: judged again
+    assert state.want(True, set()) is None, "nor while the newer one is judged again"
+    state.good = two
+    state.recalled(two.fingerprint)
+    assert state.want(False, {two.fingerprint}) == one, "a canary host failed it: the one before"
+    state.recalled(one.fingerprint)
+    assert state.want(False, {one.fingerprint, two.fingerprint}) is None

@@ -158,3 +158,15 @@ def test_paths_adapter_copies_inside_the_adapter_root_are_refused(tmp_path):
         f"adapters.copies {copies}: inside adapters.root"
     )
     paths.check(with_adapters(local(tmp_path), root=str(root), copies=tmp_path / "state"))
+
+
+def test_paths_adapter_copies_missing_are_refused_for_a_store_root_too(tmp_path):
+    cfg = with_adapters(local(tmp_path), root="s3://bucket/adapters", copies=tmp_path / "big-disk")
+    assert refused(cfg).startswith(f"adapters.copies {tmp_path / 'big-disk'}: no such directory")
+
+
+def test_config_adapters_endpoint_url_empty_takes_the_stores_own_variables(tmp_path):
+    cfg = remote(tmp_path).model_copy(
+        update={"source": config.SourceConfig(path="s3://bucket/runs", endpoint_url="http://minio.test:9000")}
+    )
+    assert with_adapters(cfg, root="s3://b/a", endpoint_url="").adapter_endpoint is None

@@ -14,9 +14,10 @@ from structlog.testing import capture_logs
 from tests.support.adapters import write_adapter
 from tests.support.store_fixtures import WRITABLE, Bucket
 from vllm_reloader.config import RolloutConfig
+from vllm_reloader.errors import SourceError
 from vllm_reloader.sources.adapter_fleet import AdapterFleet, AdapterRecalled
 from vllm_reloader.sources.adapter_trees import StoreTree
-from vllm_reloader.sources.adapters import AdapterSource, Found
+from vllm_reloader.sources.adapters import AdaptersListed, AdapterSource, Found
 from vllm_reloader.sources.objstore import Store
 from vllm_reloader.sources.verdicts import Verdict
 
@@ -99,3 +100,58 @@ def test_a_follower_rejects_what_a_canary_host_failed_and_recalls_what_it_holds(
     recalled = [m for m in follower.found if isinstance(m, AdapterRecalled)]
     assert [(r.adapter, r.fingerprint) for r in recalled] == [("support", one)], "told once"
     assert "canary host canary-1 failed it" in recalled[0].reason
+
+
+@pytest.mark.stores("s3")
+def test_one_record_that_lists_but_cannot_be_read_holds_up_only_its_own_content(
+    bucket, tmp_path, monkeypatch
+):
+    upload(bucket, write_adapter(tmp_path / "a1", seed=1), "aaa/step-1")
+    upload(bucket, write_adapter(tmp_path / "b1", seed=2), "bbb/step-1")
+    canary, follower = hosts(bucket, tmp_path)
+    canary.source.scan()
+    held_up, fine = (m.copy.fingerprint for m in gated(canary.found) if m.copy)
+    canary.fleet.record(Verdict("aaa", "step-1", held_up, True))
+    canary.fleet.record(Verdict("bbb", "step-1", fine, True))
+    canary.source.scan()
+    real = Store.get
+
+    def get(self: Store, key: str) -> tuple[bytes, str | None]:  # archived, or under another's key
+        if key.startswith("aaa/_verdicts/"):
+            raise SourceError(f"GET {key}: InvalidObjectState")
+        return real(self, key)
+
+    monkeypatch.setattr(Store, "get", get)
+    with capture_logs() as logs:
+        follower.source.scan()
+    assert follower.ready() == ["step-1"] and [m.adapter for m in gated(follower.found)] == ["bbb"]
+    waiting = [e for e in logs if e["event"] == "adapter.waiting"]
+    assert [e["adapter"] for e in waiting] == ["aaa"] and "cannot be read" in waiting[0]["reason"]
+    follower.holds.add(("bbb", fine))
+    canary.fleet.record(Verdict("bbb", "step-1", fine, False, "its canary failed: NaN"))
+    canary.source.scan()
+    follower.source.scan()
+    assert [m.adapter for m in follower.found if isinstance(m, AdapterRecalled)] == ["bbb"]
+
+
+@pytest.mark.stores("s3")
+def test_an_adapter_with_only_records_left_is_gone_and_one_with_an_odd_key_is_not(bucket, tmp_path):
+    upload(bucket, write_adapter(tmp_path / "v1", seed=1), "support/step-1")
+    upload(bucket, write_adapter(tmp_path / "o1", seed=2), "other/step-1")
+    canary = Host(bucket, tmp_path, "canary-1", "canary")
+    canary.source.scan()
+    fingerprint = next(m.copy.fingerprint for m in gated(canary.found) if m.copy and m.adapter == "support")
+    canary.fleet.record(Verdict("support", "step-1", fingerprint, True))
+    bucket.put("other/notes//x", b"a key obstore cannot list")
+    canary.found.clear()
+    canary.source.scan()
+    assert [m.names for m in canary.found if isinstance(m, AdaptersListed)] == [{"support", "other"}]
+    assert gated(canary.found) == [], "the odd key's adapter keeps its versions as they were"
+    for key in bucket.listed():
+        if key.startswith("support/step-1/"):
+            bucket.delete(key)
+    canary.found.clear()
+    canary.source.scan()
+    assert [m.names for m in canary.found if isinstance(m, AdaptersListed)] == [{"other"}], (
+        "its records are not an adapter"
+    )

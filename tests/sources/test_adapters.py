@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -275,3 +276,62 @@ def test_adapter_source_thread_takes_a_version_renamed_into_a_watched_root_witho
     finally:
         source.close()
     assert not source.is_alive()
+
+
+class Blocking(LocalTree):
+    """A root whose listing hangs until `go` is set, as a hung store's LIST does."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.go, self.listing = threading.Event(), threading.Event()
+
+    def list(self, say):  # type: ignore[no-untyped-def]
+        self.listing.set()
+        self.go.wait(10)
+        return super().list(say)
+
+
+def test_adapter_source_closed_while_stuck_in_a_listing_says_nothing_and_removes_nothing(tmp_path, found):
+    write_adapter(tmp_path / "root" / "old" / "step-1")
+    tree = Blocking(tmp_path / "root")
+    (tmp_path / "copies" / "new").mkdir(parents=True)
+    (tmp_path / "copies" / "new" / "step-1@abc").mkdir()  # a copy the source replacing it made
+    source = AdapterSource(
+        tree, tmp_path / "copies", 0.05, served=lambda: SERVED, keep=lambda: frozenset(), post=found.append
+    )
+    source.start()
+    assert tree.listing.wait(5)
+    source.close(timeout=0)  # as a SIGHUP does: not waited for
+    tree.go.set()
+    source._thread.join(5)
+    assert found == [], "nothing of the old root reaches the loop"
+    assert (tmp_path / "copies" / "new" / "step-1@abc").is_dir(), "nor is another source's copy pruned"
+
+
+def test_adapter_source_thread_is_not_woken_by_a_write_still_going_on(tmp_path, found):
+    (tmp_path / "root" / "support" / "step-1").mkdir(parents=True)
+    tree = LocalTree(tmp_path / "root")
+    looks = []
+    real = tree.list
+    tree.list = lambda say: (looks.append(1), real(say))[1]  # type: ignore[method-assign]
+    source = AdapterSource(
+        tree, tmp_path / "copies", 3600.0, served=lambda: SERVED, keep=lambda: frozenset(), post=found.append
+    )
+    source.start()
+    try:
+        source._stop.wait(0.3)
+        assert len(looks) == 1
+        with open(tmp_path / "root" / "support" / "step-1" / "adapter_model.safetensors", "wb") as f:
+            for _ in range(20):
+                f.write(b"x" * 4096)
+                f.flush()
+                source._stop.wait(0.01)
+            source._stop.wait(0.3)
+            assert len(looks) == 1, "each look would copy a file not whole yet"
+        for _ in range(40):
+            if len(looks) > 1:
+                break
+            source._stop.wait(0.05)
+        assert len(looks) == 2, "closed after writing: looked at once"
+    finally:
+        source.close()

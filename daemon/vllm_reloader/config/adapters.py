@@ -16,7 +16,8 @@ class AdaptersConfig(Section):
     `gs://`, `az://`)."""
     endpoint_url: str | None = None
     """The object store's endpoint (as `source.endpoint_url`); default `source.endpoint_url`
-    when the source is on the same kind of store, else the store's own variables."""
+    when the source is on the same kind of store, else the store's own variables (`""`: those
+    variables, whatever the source's)."""
     copies: ConfigPath | None = None
     """Where verified copies live, the engine's user able to read them; default `<state.dir>/adapters`."""
     max_rank: int | None = Field(None, ge=1, le=4096)

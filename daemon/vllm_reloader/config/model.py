@@ -324,7 +324,9 @@ class Config(Section):
             and self.adapters.remote
             and (self.source.path.partition("://")[0] == (self.adapters.root or "").partition("://")[0])
         )
-        return self.adapters.endpoint_url or (self.source.endpoint_url if same_store else None)
+        if self.adapters.endpoint_url is not None:  # "": the store's own variables, explicitly
+            return self.adapters.endpoint_url or None
+        return self.source.endpoint_url if same_store else None
 
     @property
     def cache_dir(self) -> Path:

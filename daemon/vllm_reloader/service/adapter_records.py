@@ -33,7 +33,7 @@ class Adapter:
     good: AdapterVersion | None = None
     """The last version that passed its canary on the canary engine: what a failure goes back to."""
     before: AdapterVersion | None = None
-    """The good one before it: what a recall of the last good one goes back to."""
+    """The good one before it: what a fleet's recall of the last good one goes back to."""
     last_reload: dict[str, Any] | None = None
     rejected: dict[str, str] = field(default_factory=dict)
     """Version → why (the last few, for `status`)."""
@@ -44,13 +44,21 @@ class Adapter:
         newest = self.newest.copy if self.newest else None
         if canary and newest is not None and newest.fingerprint not in refused:
             return newest
-        return next((v for v in (self.good, self.before) if v and v.fingerprint not in refused), None)
+        return self.good if self.good and self.good.fingerprint not in refused else None
 
     def passed(self, version: AdapterVersion) -> None:
         """Its canary passed on the canary engine: the last good one, the one before kept."""
         if self.good is not None and self.good.fingerprint != version.fingerprint:
             self.before = self.good
         self.good = version
+
+    def recalled(self, fingerprint: str) -> None:
+        """A canary host failed this content: the good one before it is the last good one again
+        (the one move backwards the daemon makes by itself, as for checkpoints)."""
+        if self.good is not None and self.good.fingerprint == fingerprint:
+            self.good, self.before = self.before, None
+        elif self.before is not None and self.before.fingerprint == fingerprint:
+            self.before = None
 
 
 class Rejections:

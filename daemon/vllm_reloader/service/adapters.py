@@ -134,7 +134,8 @@ class Adapters:
 
         if parts(old) != parts(config):
             before = self.source
-            self.close()
+            if before is not None:  # not waited for: a hung store must not hold the loop up
+                before.close(timeout=0)
             self.source = self._source(config)
             if before and before.fleet and self.source and self.source.fleet:  # no verdict is lost
                 self.source.fleet.records.adopt(before.fleet.records.detach())
@@ -148,6 +149,8 @@ class Adapters:
             return
         if isinstance(message, AdapterRecalled):  # engines holding it go back from it (`_next`)
             self.rejected.remember(message.fingerprint, message.reason)
+            if (state := self.known.get(message.adapter)) is not None:
+                state.recalled(message.fingerprint)
             self.log.error(
                 "adapter.recalled", adapter=message.adapter, version=message.version,
                 fingerprint=message.fingerprint, reason=message.reason,

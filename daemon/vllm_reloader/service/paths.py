@@ -36,8 +36,8 @@ def check(config: Config) -> None:
                 f"adapters.copies {config.adapter_copies}: inside adapters.root {config.adapters.root}, "
                 "where its copies would be taken for adapters; set it outside the root"
             )
-        if config.adapters.copies is not None:
-            directory(("adapters", "copies"), config.adapters.copies, write=True)
+    if config.adapters.root is not None and config.adapters.copies is not None:
+        directory(("adapters", "copies"), config.adapters.copies, write=True)
     if config.control.socket is not None:
         directory(("control", "socket"), config.control.socket.parent, write=True, of=config.control.socket)
     if not config.source.remote:  # a converter places its output there: then it writes

@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 import blake3
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
 
 from ..checkpoint.adapter import CONFIG_NAME, WEIGHTS_NAME
 from ..checkpoint.files import identity
 from ..errors import ObjectChanged
+from . import verdicts
 from .local import Watcher, needs_polling
 from .objstore import Object, Store
 
@@ -97,11 +99,15 @@ class LocalTree:
         return found
 
     def watch(self, wake: Callable[[], None]) -> Watcher | None:
-        """inotify: a version renamed in is looked at at once, not at the next look (a network
-        filesystem, where inotify sees no other host's writes, is only looked at)."""
+        """inotify: a version renamed in, or a file closed after writing, is looked at at once,
+        not at the next look; a write still going on wakes nothing (each look would copy a file
+        not whole yet). A network filesystem, where inotify sees no other host's writes, is only
+        looked at."""
         if needs_polling(self.root):
             return None
-        watcher = Watcher(self.root, ignore=(), notify=lambda _: wake(), poll=False, poll_interval=1.0)
+        watcher = Watcher(
+            self.root, ignore=(), notify=lambda _: None, poll=False, poll_interval=1.0, handler=_Wake(wake)
+        )
         watcher.start()
         return watcher
 
@@ -122,16 +128,22 @@ class StoreTree:
     def __init__(self, store: Store) -> None:
         self.store = store
         self.where = store.url
+        self._last: Listing = {}
 
     def list(self, say: Any) -> Listing:
+        """A folder holding a key obstore cannot list (`a//b`) keeps the versions it had: an odd
+        key is not an adapter removed."""
         objects, unlisted = self.store.list()
-        for name, why in unlisted.items():
-            say("adapter.unreadable", adapter=name.rstrip("/"), reason=why)
-        files: dict[tuple[str, str], dict[str, Object]] = {}
         found: Listing = {}
+        for prefix, why in unlisted.items():
+            name = prefix.rstrip("/")
+            say("adapter.unreadable", adapter=name, reason=why)
+            if valid_name(name):
+                found[name] = dict(self._last.get(name, {}))
+        files: dict[tuple[str, str], dict[str, Object]] = {}
         for key, one in objects.items():
             name, folder, rest = key.partition("/")
-            if not (folder and valid_name(name)):  # a top-level object is no adapter's folder
+            if not (folder and valid_name(name)) or verdicts.is_record(rest):  # no adapter's file
                 continue
             versions = found.setdefault(name, {})
             version, _, file = rest.partition("/")
@@ -142,6 +154,7 @@ class StoreTree:
             if len(both) == len(FILES):
                 config, weights = (both[file] for file in FILES)
                 found[name][version] = Content((config.size, weights.size), (config, weights))
+        self._last = found
         return found
 
     def watch(self, wake: Callable[[], None]) -> Watcher | None:
@@ -164,6 +177,17 @@ class StoreTree:
         except ObjectChanged:
             return False
         return True
+
+
+class _Wake(FileSystemEventHandler):
+    def __init__(self, wake: Callable[[], None]) -> None:
+        self.wake = wake
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        if event.event_type in ("closed", "moved", "deleted") or (
+            event.event_type == "created" and event.is_directory
+        ):
+            self.wake()
 
 
 def tree(root: str, endpoint_url: str | None, timeout: float) -> Tree:

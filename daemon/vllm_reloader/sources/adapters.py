@@ -44,6 +44,8 @@ RETRY_SECONDS = 60.0
 UNREADABLE_SECONDS = 10.0
 """A version that could not be copied (the store or the disk failed) is tried again after this."""
 _instances = itertools.count()
+_seen = itertools.count()
+"""When a content was first seen, across the sources a SIGHUP replaces (orders by it stay new)."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,6 @@ class AdapterSource:
         self._served, self._keep, self._post = served, keep, post
         self._forgotten = forgotten or queue.SimpleQueue()
         self._judged: dict[tuple[str, str], _Judged] = {}
-        self._seen = itertools.count()
         self._said: set[tuple[object, ...]] = set()
         """Warnings said and still holding: not said again until they stop and come back."""
         self._holding: set[tuple[object, ...]] = set()
@@ -152,6 +153,12 @@ class AdapterSource:
             if watcher is not None:
                 watcher.close()
 
+    def _tell(self, message: Found) -> None:
+        """To the loop, unless closed: a source replaced by a SIGHUP while stuck in a call to a
+        hung store says nothing of the old root when it comes back."""
+        if not self._stop.is_set():
+            self._post(message)
+
     def _say(self, event: str, **fields: Any) -> tuple[object, ...]:
         """A warning said once for as long as it holds (a look every second would repeat it)."""
         return self._said_once(self.log.warning, event, **fields)
@@ -191,7 +198,7 @@ class AdapterSource:
             except SourceError as exc:  # the records only: the versions found still count
                 self._say("adapters.unreadable", reason=f"the fleet's records: {_reason(exc)}")
         if listing:  # an empty root (a mount not there) unloads nothing
-            self._post(AdaptersListed(frozenset(listing)))
+            self._tell(AdaptersListed(frozenset(listing)))
         self._said = self._holding  # a warning not said again this look has stopped holding
         self._prune()
 
@@ -221,14 +228,14 @@ class AdapterSource:
         if verdict.status == "pending":
             return
         retry = time.monotonic() + RETRY_SECONDS if verdict.check in ("io", "internal") else None
-        order = (step if (step := name_step(version)) is not None else -1, next(self._seen))
+        order = (step if (step := name_step(version)) is not None else -1, next(_seen))
         message = AdapterGated(name, version, order, verdict, copy if verdict.status == "ready" else None)
         follow = self.fleet is not None and self.fleet.follower and message.copy is not None
         waiting = message if follow else None  # a follower's: posted once the canary hosts pass it
         kept = copy.path if copy else None
         self._judged[(name, version)] = _Judged(content, served, kept, retry, None, waiting)
         if not follow:
-            self._post(message)
+            self._tell(message)
 
     def _tend(self, fleet: AdapterFleet) -> None:
         """The fleet's turn: verdicts written; of each adapter's versions waiting for the canary
@@ -251,15 +258,15 @@ class AdapterSource:
                 continue
             self._judged[where] = dataclasses.replace(self._judged[where], waiting=None)
             if status == "cleared":
-                self._post(waiting)
+                self._tell(waiting)
                 for other, judged in self._judged.items():  # older: never loaded now, never asked
                     if other[0] == where[0] and judged.waiting and judged.waiting.order < waiting.order:
                         self._judged[other] = dataclasses.replace(judged, waiting=None)
             else:
                 verdict = adapter.AdapterVerdict("rejected", why, "fleet")
-                self._post(dataclasses.replace(waiting, verdict=verdict, copy=None))
+                self._tell(dataclasses.replace(waiting, verdict=verdict, copy=None))
         for recalled in fleet.tend(self._holds()):
-            self._post(recalled)
+            self._tell(recalled)
 
     def _judge(
         self, name: str, version: str, content: Content, served: adapter.Served
@@ -324,6 +331,8 @@ class AdapterSource:
             return
         current = {j.copy for j in self._judged.values() if j.copy}
         for copy in self.copies.glob("*/*@*"):
+            if self._stop.is_set():  # replaced: the new source's copies are not this one's to judge
+                return
             if str(copy) not in keep and str(copy) not in current:
                 shutil.rmtree(copy, ignore_errors=True)
 

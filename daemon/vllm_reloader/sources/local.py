@@ -203,13 +203,15 @@ class Watcher:
         poll: bool,
         poll_interval: float,
         written: Callable[[str], None] | None = None,
+        handler: FileSystemEventHandler | None = None,
     ) -> None:
-        """`written(path)`: a shard closed after writing (inotify only; polling cannot tell)."""
+        """`written(path)`: a shard closed after writing (inotify only; polling cannot tell);
+        `handler`: watchdog's events go to it instead (`notify` and `written` unused)."""
         self.root = root
         self.notify = notify
         self.polling = poll or needs_polling(root)
         self._observer: BaseObserver = PollingObserver(timeout=poll_interval) if self.polling else Observer()
-        handler = _Enqueue(root, tuple(ignore), lambda name: self.notify(name), written)
+        handler = handler or _Enqueue(root, tuple(ignore), lambda name: self.notify(name), written)
         self._observer.schedule(handler, str(root), recursive=True)
 
     def start(self) -> None:

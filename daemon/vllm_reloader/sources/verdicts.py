@@ -338,6 +338,8 @@ class Fleet:
             tally = self.tally(name, fingerprint)
         except Unlistable as exc:
             return "waiting", f"the canary hosts' records cannot be listed: {exc}"
+        except SourceError as exc:  # one record that lists but cannot be read: nothing decided
+            return "waiting", f"the canary hosts' records cannot be read: {exc}"
         return tally.clearance(self.rollout.min_canaries)
 
     def recalls(self, served: Iterable[tuple[str, str]]) -> list[Recalled]:
@@ -349,10 +351,10 @@ class Fleet:
                 continue
             try:
                 tally = self.tally(name, fingerprint)
-            except Unlistable:
-                continue  # its records cannot be read: as before
+            except SourceError:  # its records cannot be listed or read now: as before, asked again
+                continue
             status, why = tally.clearance(self.rollout.min_canaries)
             if status == "failed":
                 found.append(Recalled(name, tally.version or name, fingerprint, why))
-        self.recalled.update((r.name, r.fingerprint) for r in found)  # none, if a LIST failed
+        self.recalled.update((r.name, r.fingerprint) for r in found)
         return found
