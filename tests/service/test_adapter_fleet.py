@@ -78,6 +78,7 @@ def test_a_sighup_that_moves_the_state_dir_hands_the_unwritten_verdicts_over(tmp
     tick(adapters, [canary])
     [verdict] = told(adapters)
     old = adapters.source
+    adapters.rejected.remember("ab" * 16, "its canary failed: NaN")
     (tmp_path / "state2").mkdir()
     adapters.reconfigure(
         adapters.config.model_copy(
@@ -86,6 +87,7 @@ def test_a_sighup_that_moves_the_state_dir_hands_the_unwritten_verdicts_over(tmp
     )
     assert adapters.source is not old and told(adapters) == [verdict]
     assert (tmp_path / "state2" / "adapter-fleet" / "unwritten-verdicts.json").is_file()
+    assert "ab" * 16 in (tmp_path / "state2" / "adapters.json").read_text(), "a restart forgets no rejection"
     adapters.close()
 
 
@@ -105,3 +107,55 @@ def test_the_version_good_before_is_gone_back_to_on_a_recall_only(tmp_path):
     assert state.want(False, {two.fingerprint}) == one, "a canary host failed it: the one before"
     state.recalled(one.fingerprint)
     assert state.want(False, {one.fingerprint, two.fingerprint}) is None
+
+
+def test_a_stop_waits_for_an_adapter_swap_under_way_on_an_engines_thread(tmp_path, s3_env):
+    adapters, engine = on_store(tmp_path, "canary"), ScriptedEngine("a")
+    adapters.found(version(tmp_path, "support", 1, seed=1))
+    adapters.tick([engine])  # type: ignore[list-item]
+    engine.run()  # what it holds
+    adapters.tick([engine])  # type: ignore[list-item]
+    assert engine.asked and adapters.under_way([engine]), "a swap asked: a stop waits for it"  # type: ignore[list-item]
+    engine.run()
+    assert not adapters.under_way([engine])  # type: ignore[list-item]
+
+
+def test_a_pass_whose_answer_was_lost_is_the_last_good_once_its_canary_passes_again(tmp_path, s3_env):
+    adapters, canary, follower = on_store(tmp_path, "canary"), ScriptedEngine("a"), ScriptedEngine("b")
+    one, two = version(tmp_path, "support", 1, seed=1), version(tmp_path, "support", 2, seed=2)
+    adapters.found(one)
+    tick(adapters, [canary, follower])
+    adapters.found(two)
+    adapters.tick([canary, follower])  # type: ignore[list-item]
+    call, _ = canary.asked.pop(0)
+    call(canary.client)  # loaded and canaried, its answer lost (a SIGHUP regrouped the engines)
+    adapters.held[canary.url] = None  # as after a regroup: asked again
+    tick(adapters, [canary, follower])
+    assert follower.client.loaded == {"support": two.copy.path}, "the followers follow it"
+    assert [v.version for v in told(adapters) if v.passed] == ["step-1", "step-2"], "and the fleet hears"
+
+
+def test_a_pass_that_lands_after_its_recall_does_not_bring_it_back(tmp_path, s3_env):
+    adapters, canary, follower = on_store(tmp_path, "follow"), ScriptedEngine("a"), ScriptedEngine("b")
+    one, two = version(tmp_path, "support", 1, seed=1), version(tmp_path, "support", 2, seed=2)
+    adapters.found(one)
+    tick(adapters, [canary, follower])
+    adapters.found(two)
+    adapters.tick([canary, follower])  # type: ignore[list-item]
+    assert canary.asked, "step-2's swap under way"
+    adapters.found(AdapterRecalled("support", "step-2", two.copy.fingerprint, "canary host c failed it"))
+    tick(adapters, [canary, follower])
+    assert canary.client.loaded == follower.client.loaded == {"support": one.copy.path}
+
+
+def test_drained_adapter_swaps_take_no_more_engines_out_than_max_unavailable(tmp_path, s3_env):
+    adapters = on_store(tmp_path, "canary")
+    engines = [ScriptedEngine(url) for url in ("a", "b", "c")]
+    adapters.found(version(tmp_path, "support", 1, seed=1))
+    tick(adapters, engines)  # the canary engine and then the others load it, in place
+    adapters.found(version(tmp_path, "support", 2, seed=2))
+    tick(adapters, engines[:1])  # the canary engine passes it first
+    for _ in range(3):
+        adapters.tick(engines, lambda url: object())  # type: ignore[arg-type, list-item]
+    swaps = [e.url for e in engines if e.asked]
+    assert swaps == ["b"], "one drained swap at a time (max_unavailable = 1)"

@@ -77,10 +77,17 @@ class ScriptedEngine:
     served: Served = field(default_factory=Served)
     log: Any = field(default_factory=structlog.get_logger)
     asked: list[Any] = field(default_factory=list)
+    in_flight: Any = None
+    """A base reload under way (the scripted engines run none)."""
 
     @property
     def idle(self) -> bool:
         return not self.asked
+
+    @property
+    def asking(self) -> Any:
+        """The question its thread is on (as `Engine.asking`)."""
+        return self.asked[0] if self.asked else None
 
     def ask(self, call: Any, then: Any) -> None:
         self.asked.append((call, then))

@@ -335,3 +335,17 @@ def test_adapter_source_thread_is_not_woken_by_a_write_still_going_on(tmp_path, 
         assert len(looks) == 2, "closed after writing: looked at once"
     finally:
         source.close()
+
+
+def test_adapter_source_keeps_a_versions_place_in_order_when_it_is_judged_again(tmp_path, found):
+    source = make_source(tmp_path, found)
+    write_adapter(tmp_path / "root" / "support" / "beta", seed=1)
+    source.scan()
+    write_adapter(tmp_path / "root" / "support" / "alpha", seed=2)  # no step: newer by when seen
+    source.scan()
+    first = {m.version: m.order for m in gated(found)}
+    assert first["alpha"] > first["beta"]
+    found.clear()
+    source._judged.clear()  # judged again: a retry, a new base, a new source after a SIGHUP
+    source.scan()
+    assert {m.version: m.order for m in gated(found)} == first

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,16 @@ class Adapter:
             self.before = self.good
         self.good = version
 
+    def confirmed(self, version: AdapterVersion) -> bool:
+        """The canary engine holds `version` and it passed a canary again (after a restart, a
+        base reload): the last good one when none is known, or when it is the newest (its
+        swap's answer was lost). Whether it became so."""
+        newest = self.newest.copy if self.newest else None
+        if self.good is None or (version == newest and version != self.good):
+            self.passed(version)
+            return True
+        return False
+
     def recalled(self, fingerprint: str) -> None:
         """A canary host failed this content: the good one before it is the last good one again
         (the one move backwards the daemon makes by itself, as for checkpoints)."""
@@ -74,6 +85,16 @@ class Rejections:
 
     def remember(self, fingerprint: str, reason: str) -> None:
         self.reasons = dict(list({**self.reasons, fingerprint: reason}.items())[-MAX_REJECTED:])
+        self._save()
+
+    def moved_to(self, directory: Path) -> Rejections:
+        """A SIGHUP's new state dir: what is rejected goes there too (a restart forgets none)."""
+        moved = Rejections(directory, self.log)
+        moved.reasons = dict(list({**self.reasons, **moved.reasons}.items())[-MAX_REJECTED:])
+        moved._save()
+        return moved
+
+    def _save(self) -> None:
         try:
             replace_atomically(self.path, json.dumps({"rejected": self.reasons}, indent=1).encode())
         except OSError as exc:  # said; the rejection holds until a restart
@@ -114,7 +135,8 @@ class Backoff:
 
 class GateView:
     """What an adapter is judged against, made again only when it changes (the source thread
-    compares it by identity: a new one judges every version again)."""
+    compares it by identity: a new one judges every version again). A baseline read again
+    with the same tensors is no change."""
 
     def __init__(self) -> None:
         self._for: tuple[object, ...] | None = None
@@ -132,6 +154,13 @@ class GateView:
             r for r in (configured, engine_rank, None if configured or said else DEFAULT_RANK) if r
         )
         key = (baseline, model, max_rank, lora.dtype if lora else None)
+        if (
+            (old := self._for) is not None
+            and old[0] is not baseline
+            and old[1:] == key[1:]
+            and old[0] == baseline
+        ):
+            self._for = key  # read again at a reconcile, the same tensors: nothing judged again
         if self._for is None or self._for[0] is not baseline or self._for[1:] != key[1:]:
             dtypes = {dtype for dtype, _ in baseline.tensors.values() if dtype in DTYPES}
             narrowest = min(dtypes, key=DTYPES.index) if dtypes else "F16"  # the narrowest range seen
@@ -140,3 +169,22 @@ class GateView:
             self.served = adapter_gate.Served(weights, dtype, max_rank, model)
             self._for = key
         return self.served
+
+
+def in_use(
+    held: Mapping[str, Mapping[str, str] | None],
+    known: Mapping[str, Adapter],
+    versions: Mapping[str, AdapterVersion],
+) -> tuple[frozenset[str] | None, frozenset[tuple[str, str]]]:
+    """The copies no one may remove (None while an engine's holdings are unknown: none is),
+    and what the engines hold as (adapter, fingerprint), for the fleet's recalls. `held`:
+    engine URL → adapter → copy path."""
+    holdings = [(name, path) for paths in held.values() for name, path in (paths or {}).items()]
+    holds = frozenset((n, v.fingerprint) for n, p in holdings if (v := versions.get(p)))
+    if not held or any(paths is None for paths in held.values()):
+        return None, holds
+    kept = {path for _, path in holdings}
+    for state in known.values():
+        newest = state.newest.copy if state.newest else None
+        kept |= {v.path for v in (state.good, state.before, newest) if v}
+    return frozenset(kept), holds

@@ -35,33 +35,11 @@ from ..sources.adapter_trees import StoreTree
 from ..sources.adapters import AdaptersListed, AdapterSource, Found
 from ..sources.verdicts import Verdict
 from . import paths
-from .adapter_records import Adapter, Backoff, GateView, Rejections
+from .adapter_calls import drained
+from .adapter_records import Adapter, Backoff, GateView, Rejections, in_use
 from .engine import Engine
 from .metrics import Metrics
 from .readiness import Drain
-
-
-def drained(
-    swap: Callable[[EngineClient], swapping.Swapped],
-    target: AdapterVersion,
-    engine: Engine,
-    drain: Drain | None,
-) -> Callable[[EngineClient], swapping.Swapped]:
-    """The swap, on the engine's thread, with the engine out of rotation where a balancer
-    reads readiness (a loaded adapter takes part in every request, the base model's too),
-    and back in rotation after its canary or its rollback, whatever happened."""
-    if drain is None:
-        return swap
-
-    def run(client: EngineClient) -> swapping.Swapped:
-        try:
-            if drain.out(engine.url, client.requests_in_flight) is None:
-                return swapping.Swapped(target, error="the daemon is stopping: not loaded")
-            return swap(client)
-        finally:
-            engine.rotation.put_back(engine.url, "drain")
-
-    return run
 
 
 class Adapters:
@@ -87,6 +65,10 @@ class Adapters:
         """What the canary engine serves, for the source thread's gate (replaced, never changed)."""
         self.forgotten: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         """Versions whose copy proved changed: the source judges them again."""
+        self.asks: dict[str, object] = {}
+        self.swaps: dict[str, object] = {}
+        """Engine URL → its last drained swap (out of rotation while it runs)."""
+        """Engine URL → the last question of ours put to its thread (`under_way`)."""
         self.holds: frozenset[tuple[str, str]] = frozenset()
         """(adapter, fingerprint) the engines hold, for a follower's recalls (read by the source)."""
         self.source = self._source(config)
@@ -128,6 +110,8 @@ class Adapters:
     def reconfigure(self, config: Config) -> None:
         """SIGHUP: a new `[adapters]` (or state dir) gets a new source thread; what is known stays."""
         old, self.config = self.config, config
+        if old.state.dir != config.state.dir:
+            self.rejected = self.rejected.moved_to(config.state.dir)
 
         def parts(c: Config) -> tuple[object, ...]:
             return (c.adapters, c.adapter_copies, c.adapter_endpoint, c.rollout, c.state.dir)
@@ -211,9 +195,12 @@ class Adapters:
                 else:
                     names = tuple(sorted(held))
                     check = partial(swapping.recheck, names=names, config=self.config.canary)
-                    engine.ask(check, partial(self._rechecked, engine, base, names, n == 0))
+                    self._ask(engine, check, partial(self._rechecked, engine, base, names, n == 0))
                     continue
-            self._next(engine, held, base, drain(engine.url), canary=n == 0)
+            out = drain(engine.url)
+            if out is not None and self._unavailable(engines) >= self.config.engine.max_unavailable:
+                continue  # a drained swap takes the engine out of rotation: as a reload, it waits
+            self._next(engine, held, base, out, canary=n == 0)
 
     def _next(
         self, engine: Engine, held: dict[str, str], base: str | None, drain: Drain | None, *, canary: bool
@@ -239,18 +226,38 @@ class Adapters:
             call = partial(
                 swapping.swap, target=want, fallback=fallback, others=others, config=self.config.canary
             )
-            engine.ask(drained(call, want, engine, drain), partial(self._swapped, engine, canary, base))
+            self._ask(
+                engine, drained(call, want, engine, drain), partial(self._swapped, engine, canary, base)
+            )
+            if drain is not None:
+                self.swaps[engine.url] = engine.asking
             return
         refused_held = [
             name
             for name, path in sorted(held.items())  # refused since it loaded, nothing to go back to
             if (v := self.versions.get(path)) and v.fingerprint in refused
-            and self.known[name].want(canary, refused) is None
+            and (known := self.known.get(name)) is not None and known.want(canary, refused) is None
         ]  # fmt: skip
         gone = sorted((set(held) & set(self.known)) - (self.listed or frozenset())) if removed else []
         for name, cause in [*((n, "rejected") for n in refused_held), *((n, "removed") for n in gone)]:
-            engine.ask(partial(swapping.unload, name=name), partial(self._unloaded, engine, name, cause))
+            self._ask(
+                engine, partial(swapping.unload, name=name), partial(self._unloaded, engine, name, cause)
+            )
             return
+
+    def _ask(self, engine: Engine, call: Callable[[EngineClient], Any], then: Callable[[Any], None]) -> None:
+        engine.ask(call, then)
+        self.asks[engine.url] = engine.asking
+
+    def _unavailable(self, engines: list[Engine]) -> int:
+        """Engines out of rotation: on a reload, or on a drained swap of ours."""
+        swapping = [e.asking is not None and e.asking is self.swaps.get(e.url) for e in engines]
+        return sum(e.in_flight is not None or on for e, on in zip(engines, swapping, strict=True))
+
+    def under_way(self, engines: list[Engine]) -> bool:
+        """Whether an engine's thread is on a swap, a canary again or an unload of ours: a
+        stop waits for it (cut short, a swap would leave an adapter loaded and not canaried)."""
+        return any(e.asking is not None and e.asking is self.asks.get(e.url) for e in engines)
 
     # -- what an engine's thread answered ----------------------------------------------------
 
@@ -279,7 +286,7 @@ class Adapters:
         else:
             if held is not None:
                 held[target.adapter] = target.path
-            if canary:
+            if canary and target.fingerprint not in self.rejected:  # not recalled while it loaded
                 state.passed(target)
                 self._tell_fleet(target, passed=True)
             state.last_reload = {"version": target.version, "engine": engine.url, "at": time.time()}
@@ -334,8 +341,9 @@ class Adapters:
             version = self.versions.get(path)
             if reason is None:
                 state = self.known.get(name)
-                if canary and state is not None and state.good is None and version is not None:
-                    state.good = version  # what the canary engine held before this daemon started
+                fit = version is not None and version.fingerprint not in self.rejected
+                if canary and state is not None and version is not None and fit and state.confirmed(version):
+                    self._tell_fleet(version, passed=True)  # held before a restart, or an answer lost
                 continue
             held.pop(name, None)
             if version is not None:
@@ -368,18 +376,7 @@ class Adapters:
         return found.version if found else None
 
     def _kept(self) -> None:
-        """The copies no one may remove; None while an engine's holdings are unknown. And what
-        the engines hold, for the fleet's recalls."""
-        holdings = [(name, path) for held in self.held.values() for name, path in (held or {}).items()]
-        self.holds = frozenset((n, v.fingerprint) for n, p in holdings if (v := self.versions.get(p)))
-        if any(held is None for held in self.held.values()) or not self.held:
-            self.keep = None
-            return
-        paths = {p for held in self.held.values() for p in (held or {}).values()}
-        for state in self.known.values():
-            newest = state.newest.copy if state.newest else None
-            paths |= {v.path for v in (state.good, state.before, newest) if v}
-        self.keep = frozenset(paths)
+        self.keep, self.holds = in_use(self.held, self.known, self.versions)
 
     def snapshot(self, engines: list[Engine]) -> dict[str, Any]:
         """For `status`: per adapter, the newest passed, the last good, what each engine holds."""

@@ -189,7 +189,7 @@ class Daemon:
             self.reloader.tick()
             engines = self.reloader.engines
             self.adapters.tick(engines.all, lambda url: engines.drain(self.config.readiness, url))
-        elif not self.reloader.jobs() or time.monotonic() > self._stop_deadline():
+        elif not self._under_way() or time.monotonic() > self._stop_deadline():
             self.stop.set()
             return
         self._tell_systemd()
@@ -251,6 +251,10 @@ class Daemon:
         engine, readiness = self.config.engine, self.config.readiness
         drain = readiness.grace + readiness.drain_timeout if readiness.drain else 0.0
         return drain + engine.pause_timeout + 2 * engine.reload_timeout + 6 * engine.timeout
+
+    def _under_way(self) -> bool:
+        """A reload, or an engine's thread on a question (an adapter's swap, canary, rollback)."""
+        return bool(self.reloader.jobs()) or self.adapters.under_way(self.reloader.engines.all)
 
     def _stop_deadline(self) -> float:
         assert self.stopping_since is not None

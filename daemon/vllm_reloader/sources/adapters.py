@@ -45,7 +45,9 @@ UNREADABLE_SECONDS = 10.0
 """A version that could not be copied (the store or the disk failed) is tried again after this."""
 _instances = itertools.count()
 _seen = itertools.count()
-"""When a content was first seen, across the sources a SIGHUP replaces (orders by it stay new)."""
+_first_seen: dict[tuple[str, str, str, str | None], int] = {}
+"""(root, adapter, version, fingerprint) → when that content was first seen, in this process:
+judged again (a retry, a new source after a SIGHUP, a new base), it keeps its place in order."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,8 @@ class AdapterSource:
                 self._consider(name, version, content, served)
         for gone in set(self._judged) - present:  # its folder is gone: its copy may go once unused
             del self._judged[gone]
+        for key in [k for k in _first_seen if k[0] == self.tree.where and k[1:3] not in present]:
+            _first_seen.pop(key, None)
         if self.fleet is not None:
             try:
                 self._tend(self.fleet)
@@ -228,7 +232,11 @@ class AdapterSource:
         if verdict.status == "pending":
             return
         retry = time.monotonic() + RETRY_SECONDS if verdict.check in ("io", "internal") else None
-        order = (step if (step := name_step(version)) is not None else -1, next(_seen))
+        first = (self.tree.where, name, version, copy.fingerprint if copy else None)
+        order = (
+            step if (step := name_step(version)) is not None else -1,
+            _first_seen.setdefault(first, next(_seen)),
+        )
         message = AdapterGated(name, version, order, verdict, copy if verdict.status == "ready" else None)
         follow = self.fleet is not None and self.fleet.follower and message.copy is not None
         waiting = message if follow else None  # a follower's: posted once the canary hosts pass it
