@@ -342,3 +342,28 @@ def test_adapters_are_judged_at_the_engines_max_rank_and_lora_dtype_unless_confi
     unsaid = view.of(baseline, "m", None, UNSAID)
     assert unsaid is not None and unsaid.max_rank == 16, "vLLM's default"
     assert view.of(None, "m", None, UNSAID) is None
+
+
+def test_adapters_canaried_again_without_an_answer_are_asked_again_only_after_a_backoff(tmp_path):
+    adapters, engine = make(tmp_path), ScriptedEngine("a")
+    engine.served.serving = Serving("base-1")
+    one = version(tmp_path, "one", 1, seed=1)
+    adapters.found(one)
+    tick(adapters, [engine])
+    engine.client.slow.add(one.copy.path)  # the engine no longer answers in time
+    engine.served.serving = Serving("base-2")
+    with capture_logs() as logs:
+        tick(adapters, [engine], rounds=10)
+    failed = [e for e in logs if e["event"] == "adapter.recheck_failed"]
+    assert len(failed) == 1 and failed[0]["retry_in_s"] == 5.0, "not a canary in a tight loop"
+    assert engine.client.loaded == {"one": one.copy.path}, "kept: nothing judged it"
+
+
+def test_adapters_forget_an_engine_a_sighup_let_go_so_copies_are_pruned_again(tmp_path):
+    adapters, kept, dropped = make(tmp_path), ScriptedEngine("a"), ScriptedEngine("b")
+    adapters.found(version(tmp_path, "support", 1, seed=1))
+    tick(adapters, [kept])
+    adapters.tick([kept, dropped])  # type: ignore[list-item]
+    assert adapters.keep is None, "b's holdings unknown: no copy may go"
+    tick(adapters, [kept])  # b dropped from [engine] urls
+    assert adapters.keep is not None and "b" not in adapters.held

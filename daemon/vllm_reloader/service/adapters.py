@@ -41,6 +41,9 @@ from .engine import Engine
 from .metrics import Metrics
 from .readiness import Drain
 
+RECHECK = "recheck"
+"""The backoff's key for an engine's adapters canaried again (after a base change, a start)."""
+
 
 class Adapters:
     def __init__(self, config: Config, log: Any, metrics: Metrics, post: Callable[[Found], None]) -> None:
@@ -175,6 +178,9 @@ class Adapters:
         self.gate_against = self.gate.of(
             first.baseline, first.startup, self.config.adapters.max_rank, first.lora
         )
+        if dropped := set(self.held) - {e.url for e in engines}:  # a SIGHUP let them go
+            self.held = {url: held for url, held in self.held.items() if url not in dropped}
+            self._kept()
         for n, engine in enumerate(engines):
             served = engine.served
             if not (served.reconciled and served.up):  # back from a restart, it holds none
@@ -189,14 +195,14 @@ class Adapters:
                 engine.ask(lambda client: client.adapters(), partial(self._held, engine.url))
                 continue
             base = served.serving.fingerprint if served.serving else None
-            if engine.url not in self.checked or self.checked[engine.url] != base:
-                if not held:
-                    self.checked[engine.url] = base
-                else:
+            if self.checked.get(engine.url, "?") != base:  # never checked, or on other weights
+                if held and not self.backoff.waiting(engine.url, RECHECK):
                     names = tuple(sorted(held))
                     check = partial(swapping.recheck, names=names, config=self.config.canary)
                     self._ask(engine, check, partial(self._rechecked, engine, base, names, n == 0))
+                if held:
                     continue
+                self.checked[engine.url] = base
             out = drain(engine.url)
             if out is not None and self._unavailable(engines) >= self.config.engine.max_unavailable:
                 continue  # a drained swap takes the engine out of rotation: as a reload, it waits
@@ -351,6 +357,8 @@ class Adapters:
             engine.log.error("adapter.unloaded", adapter=name, cause="base_changed", reason=reason)
         if set(found) != set(names):  # not all judged (no answer, or an unload failed): ask again
             self.held[engine.url] = None
+            wait = self.backoff.failed(engine.url, RECHECK)  # a slow engine is not asked in a loop
+            engine.log.warning("adapter.recheck_failed", adapters=list(names), retry_in_s=wait)
         else:
             self.checked[engine.url] = base
         self._kept()
