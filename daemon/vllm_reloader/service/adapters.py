@@ -19,7 +19,6 @@ adapter whose answers are broken there is unloaded (it was trained on other weig
 
 from __future__ import annotations
 
-import dataclasses
 import queue
 import time
 from collections.abc import Callable, Mapping
@@ -33,7 +32,6 @@ from ..engine.client import EngineClient
 from ..sources.adapter_fleet import AdapterFleet, AdapterRecalled
 from ..sources.adapter_trees import StoreTree
 from ..sources.adapters import AdaptersListed, AdapterSource, Found
-from ..sources.verdicts import Verdict
 from . import paths
 from .adapter_calls import drained
 from .adapter_records import Adapter, Backoff, GateView, Rejections, in_use
@@ -69,9 +67,9 @@ class Adapters:
         self.forgotten: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         """Versions whose copy proved changed: the source judges them again."""
         self.asks: dict[str, object] = {}
+        """Engine URL → the last question of ours put to its thread (`under_way`)."""
         self.swaps: dict[str, object] = {}
         """Engine URL → its last drained swap (out of rotation while it runs)."""
-        """Engine URL → the last question of ours put to its thread (`under_way`)."""
         self.holds: frozenset[tuple[str, str]] = frozenset()
         """(adapter, fingerprint) the engines hold, for a follower's recalls (read by the source)."""
         self.source = self._source(config)
@@ -92,12 +90,8 @@ class Adapters:
         )  # fmt: skip
 
     def _tell_fleet(self, target: AdapterVersion, passed: bool, reason: str | None = None) -> None:
-        """The canary engine's verdict, for the hosts reading the same store: a pass from a
-        canary host only, a blamed failure from any."""
-        fleet = self.source.fleet if self.source is not None else None
-        if fleet is not None and (not passed or not fleet.follower):
-            verdict = Verdict(target.adapter, target.version, target.fingerprint, passed, reason)
-            fleet.record(dataclasses.replace(verdict, canary=self.config.canary.enabled))
+        if self.source is not None and self.source.fleet is not None:
+            self.source.fleet.judged(target, passed, reason, canary=self.config.canary.enabled)
 
     def start(self) -> None:
         if self.source is not None:
@@ -191,7 +185,9 @@ class Adapters:
             if not engine.idle:
                 continue
             held = self.held.get(engine.url)
-            if held is None:
+            if held is None:  # unknown: no copy may go until it is known
+                self.held[engine.url] = None
+                self._kept()
                 engine.ask(lambda client: client.adapters(), partial(self._held, engine.url))
                 continue
             base = served.serving.fingerprint if served.serving else None

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from ..checkpoint.adapter import AdapterVersion
 from ..config import RolloutConfig
 from . import verdicts
 from .objstore import Store
@@ -46,6 +47,14 @@ class AdapterFleet:
     def record(self, verdict: Verdict) -> None:
         """From the loop: kept on disk at once, written by the source's thread at its next look."""
         self.records.add(verdict)
+
+    def judged(self, version: AdapterVersion, passed: bool, reason: str | None, *, canary: bool) -> None:
+        """From the loop, the canary engine's verdict: a pass told by a canary host only, a
+        blamed failure by any host."""
+        if not passed or not self.follower:
+            self.record(
+                Verdict(version.adapter, version.version, version.fingerprint, passed, reason, canary)
+            )
 
     def clearance(self, adapter: str, fingerprint: str) -> tuple[Clearance, str]:
         """Whether this host may load the content: always on a canary host."""
