@@ -154,20 +154,14 @@ class GateView:
             r for r in (configured, engine_rank, None if configured or said else DEFAULT_RANK) if r
         )
         key = (baseline, model, max_rank, lora.dtype if lora else None)
-        if (
-            (old := self._for) is not None
-            and old[0] is not baseline
-            and old[1:] == key[1:]
-            and old[0] == baseline
-        ):
-            self._for = key  # read again at a reconcile, the same tensors: nothing judged again
-        if self._for is None or self._for[0] is not baseline or self._for[1:] != key[1:]:
+        old = self._for  # the same values read again (a reconcile) are no change: nothing judged again
+        if old is None or old[1:] != key[1:] or (old[0] is not baseline and old[0] != baseline):
             dtypes = {dtype for dtype, _ in baseline.tensors.values() if dtype in DTYPES}
             narrowest = min(dtypes, key=DTYPES.index) if dtypes else "F16"  # the narrowest range seen
             dtype = lora.dtype if lora is not None and lora.dtype else narrowest
             weights = {name: shape for name, (_, shape) in baseline.tensors.items()}
             self.served = adapter_gate.Served(weights, dtype, max_rank, model)
-            self._for = key
+        self._for = key
         return self.served
 
 

@@ -191,7 +191,7 @@ class Adapters:
                 engine.ask(lambda client: client.adapters(), partial(self._held, engine.url))
                 continue
             base = served.serving.fingerprint if served.serving else None
-            if self.checked.get(engine.url, "?") != base:  # never checked, or on other weights
+            if engine.url not in self.checked or self.checked[engine.url] != base:
                 if held and not self.backoff.waiting(engine.url, RECHECK):
                     names = tuple(sorted(held))
                     check = partial(swapping.recheck, names=names, config=self.config.canary)
@@ -253,13 +253,12 @@ class Adapters:
 
     def _unavailable(self, engines: list[Engine]) -> int:
         """Engines out of rotation: on a reload, or on a drained swap of ours."""
-        swapping = [e.asking is not None and e.asking is self.swaps.get(e.url) for e in engines]
-        return sum(e.in_flight is not None or on for e, on in zip(engines, swapping, strict=True))
+        return sum(e.in_flight is not None or _on(e, self.swaps) for e in engines)
 
     def under_way(self, engines: list[Engine]) -> bool:
         """Whether an engine's thread is on a swap, a canary again or an unload of ours: a
         stop waits for it (cut short, a swap would leave an adapter loaded and not canaried)."""
-        return any(e.asking is not None and e.asking is self.asks.get(e.url) for e in engines)
+        return any(_on(e, self.asks) for e in engines)
 
     # -- what an engine's thread answered ----------------------------------------------------
 
@@ -394,3 +393,8 @@ class Adapters:
             }
             for name, state in sorted(self.known.items())
         }
+
+
+def _on(engine: Engine, asked: Mapping[str, object]) -> bool:
+    """Whether the engine's thread is on the question `asked` recorded for it."""
+    return engine.asking is not None and engine.asking is asked.get(engine.url)

@@ -23,6 +23,7 @@ from watchdog.events import FileSystemEvent, FileSystemEventHandler
 
 from ..checkpoint.adapter import CONFIG_NAME, WEIGHTS_NAME
 from ..checkpoint.files import identity
+from ..config.base import is_remote
 from ..errors import ObjectChanged
 from . import verdicts
 from .local import Watcher, needs_polling
@@ -191,7 +192,7 @@ class _Wake(FileSystemEventHandler):
 
 
 def tree(root: str, endpoint_url: str | None, timeout: float) -> Tree:
-    if "://" in root:
+    if is_remote(root):
         return StoreTree(Store(root, endpoint_url=endpoint_url, timeout=timeout, key=("adapters", "root")))
     return LocalTree(Path(root))
 
@@ -232,7 +233,7 @@ def _content(version_fd: int) -> Content | None:
     return Content((found[0][2], found[1][2]), tuple(found))
 
 
-def _copy_file(version_fd: int, name: str, size: int, target: Path, hasher: blake3.blake3) -> int:
+def _copy_file(version_fd: int, name: str, size: int, target: Path, hasher: blake3.blake3) -> None:
     """At most `size` bytes (what was listed): a file that grows meanwhile is caught after."""
     fd = os.open(name, FILE_FLAGS, dir_fd=version_fd)
     try:
@@ -250,6 +251,5 @@ def _copy_file(version_fd: int, name: str, size: int, target: Path, hasher: blak
         os.chmod(target, 0o644)
         info = os.fstat(fd)  # its time kept: the gate's grace for a file still written is the source's
         os.utime(target, ns=(info.st_atime_ns, info.st_mtime_ns))
-        return copied
     finally:
         os.close(fd)
