@@ -437,3 +437,56 @@ def test_rotation_forgets_what_kept_an_engine_a_sighup_dropped_out():
     assert rotation.why_out("http://b") == f"down: {NOT_YET}", (
         "new again: out until reconciled, no stale drain"
     )
+
+
+def test_readiness_server_gives_a_client_trickling_its_request_one_deadline_for_the_whole_of_it(
+    monkeypatch,
+):
+    monkeypatch.setattr(readiness, "REQUEST_DEADLINE", 0.5, raising=False)
+    server = ReadinessServer("127.0.0.1:0", two_in_rotation())
+    server.start()
+    stop = threading.Event()
+
+    def trickle() -> None:  # a byte every 0.2 s (no single read waits long), back when cut off
+        while not stop.is_set():
+            with socket.create_connection(("127.0.0.1", server.port)) as client:
+                for byte in b"GET /ready/0 HTTP/1.1\r\nHost: x\r\n" * 4:
+                    if stop.wait(0.2):
+                        return
+                    try:
+                        client.sendall(bytes([byte]))
+                    except OSError:
+                        break
+
+    clients = [threading.Thread(target=trickle, daemon=True) for _ in range(readiness.MAX_CLIENTS)]
+    try:
+        for client in clients:
+            client.start()
+        time.sleep(2.0)  # every slot taken by a trickling client (threads start slowly on 2 busy cores)
+        answered = []
+        deadline = time.monotonic() + 6.0
+        while not answered and time.monotonic() < deadline:
+            try:
+                answered.append(httpx.get(f"http://127.0.0.1:{server.port}/ready/0", timeout=1.0))
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        assert answered and answered[0].status_code == 200, "the balancer's check got a slot"
+    finally:
+        stop.set()
+        for client in clients:
+            client.join()
+        server.close()
+
+
+def test_rotation_forgets_health_checkers_unseen_for_a_minute_so_a_new_balancer_is_waited_for():
+    rotation, stop = two_in_rotation(), threading.Event()
+    for n in range(readiness.MAX_READERS):  # a scan, or balancers replaced over the weeks
+        rotation.asked("http://a", f"10.0.1.{n}")
+    for reader in rotation._readers:
+        rotation._readers[reader] -= 61  # all of them unseen for a minute
+    rotation.asked("http://a", "10.0.0.1")  # the new balancer reads it ready
+    checker = later(0.4, lambda: rotation.asked("http://a", "10.0.0.1"))
+    drained = Drain(rotation, grace=0.05, timeout=30.0, stop=stop).out("http://a", lambda: None)
+    checker.join()
+    assert drained is not None and drained["drain_ms"] >= 400, "waited until the new balancer read it out"
+    assert len(rotation._readers) == 1, "the ones unseen for a minute are forgotten"

@@ -29,6 +29,12 @@ WATCHED_WITHIN = 5.0
 MAX_CLIENTS = 32
 MAX_READERS = 64
 """Health checkers remembered (by address): a scan from many addresses cannot grow it."""
+READER_TTL = 60.0
+"""Seconds: a health checker unseen this long is forgotten (a balancer replaced, a scan gone),
+so its place goes to the next one."""
+REQUEST_DEADLINE = 5.0
+"""Seconds for a client to send its whole request, however slowly its bytes come: a client
+trickling a byte a second holds a slot this long at most."""
 
 
 class Rotation:
@@ -105,10 +111,18 @@ class Rotation:
         """A health checker (`reader`: its address) reads it: `why_out`, and what it read when."""
         with self._lock:
             why, now = self._why(url), time.monotonic()
+            self._forget_readers(now)
             if url in self._out and (reader in self._readers or len(self._readers) < MAX_READERS):
                 self._reads[reader, url] = (now, why is None)
                 self._readers[reader] = now
             return why
+
+    def _forget_readers(self, now: float) -> None:
+        """Health checkers unseen for `READER_TTL`, and what they read."""
+        gone = {reader for reader, at in self._readers.items() if at < now - READER_TTL}
+        if gone:
+            self._readers = {r: at for r, at in self._readers.items() if r not in gone}
+            self._reads = {key: read for key, read in self._reads.items() if key[0] not in gone}
 
     def unseen_since(self, url: str, since: float, within: float) -> bool:
         """Whether a health checker that reads these engines (one read in the last `within` s)
@@ -209,9 +223,41 @@ class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
+class _DeadlineReader:
+    """The request's bytes, read with one deadline for the whole request (a timeout per read
+    would let a client sending a byte a second hold its slot for ever)."""
+
+    def __init__(self, connection: socket.socket, seconds: float) -> None:
+        self.connection, self.deadline, self.buffer = connection, time.monotonic() + seconds, b""
+
+    def readline(self, limit: int = -1) -> bytes:
+        while b"\n" not in self.buffer and (limit < 0 or len(self.buffer) < limit):
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the request took longer than its deadline")
+            self.connection.settimeout(left)
+            chunk = self.connection.recv(4096)
+            if not chunk:
+                break
+            self.buffer += chunk
+        end = self.buffer.find(b"\n") + 1 or len(self.buffer)
+        if limit >= 0:
+            end = min(end, limit)
+        line, self.buffer = self.buffer[:end], self.buffer[end:]
+        return line
+
+    def close(self) -> None:
+        """Nothing of its own to close (the server shuts the connection)."""
+
+
 class _Handler(BaseHTTPRequestHandler):
     rotation: Rotation
-    timeout = 5  # seconds for a client to send its request
+    timeout = REQUEST_DEADLINE
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # the socket's own file: the request is read through the deadline
+        self.rfile = _DeadlineReader(self.connection, REQUEST_DEADLINE)  # type: ignore[assignment]
 
     def do_HEAD(self) -> None:
         self.do_GET()
@@ -231,6 +277,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._answer(200, "ready\n") if why is None else self._answer(503, f"{why}\n")
 
     def _answer(self, status: int, text: str) -> None:
+        self.connection.settimeout(REQUEST_DEADLINE)  # what is left of the read's may be nothing
         body = text.encode()
         self.send_response(status)
         self.send_header("Content-Type", "text/plain; charset=utf-8")
