@@ -155,9 +155,36 @@ def test_paths_adapter_copies_inside_the_adapter_root_are_refused(tmp_path):
     root, copies = tmp_path / "adapters", tmp_path / "adapters" / "copies"
     copies.mkdir(parents=True)
     assert refused(with_adapters(local(tmp_path), root=str(root), copies=copies)).startswith(
-        f"adapters.copies {copies}: inside adapters.root"
+        f"adapters.copies {copies}: overlaps adapters.root {root}"
     )
-    paths.check(with_adapters(local(tmp_path), root=str(root), copies=tmp_path / "state"))
+    (tmp_path / "copies").mkdir()
+    paths.check(with_adapters(local(tmp_path), root=str(root), copies=tmp_path / "copies"))
+
+
+@pytest.mark.parametrize(
+    ("copies", "cache", "said"),
+    [
+        ("cache", "cache", "adapters.copies {copies}: overlaps state.cache_dir {cache}"),
+        ("cache/adapters", "cache", "adapters.copies {copies}: overlaps state.cache_dir {cache}"),
+        ("state", "cache", "state.dir {state}: is adapters.copies {copies}"),
+        ("copies", "state", "state.dir {state}: is state.cache_dir {cache}"),
+    ],
+)
+def test_paths_the_daemons_stores_overlapping_each_other_or_the_state_are_refused(
+    tmp_path, copies, cache, said
+):
+    for made in {copies, cache or "x", "root", "adapters"}:
+        (tmp_path / made).mkdir(parents=True, exist_ok=True)
+    state = {"cache_dir": tmp_path / cache} if cache else {}
+    cfg = with_adapters(remote(tmp_path, **state), root=str(tmp_path / "adapters"), copies=tmp_path / copies)
+    expected = said.format(copies=tmp_path / copies, cache=tmp_path / (cache or ""), state=tmp_path / "state")
+    assert refused(cfg).startswith(expected)
+
+
+def test_paths_a_state_dir_inside_the_checkpoint_root_is_refused(tmp_path):
+    (tmp_path / "root" / "state").mkdir(parents=True)
+    cfg = local(tmp_path).model_copy(update={"state": config.StateConfig(dir=tmp_path / "root" / "state")})
+    assert refused(cfg).startswith(f"state.dir {tmp_path / 'root' / 'state'}: inside source.path")
 
 
 def test_paths_adapter_copies_missing_are_refused_for_a_store_root_too(tmp_path):

@@ -30,12 +30,7 @@ def check(config: Config) -> None:
         adapter_tree(config)  # the store's URL and client options, checked here (no I/O)
     elif config.adapters.root is not None:
         directory(("adapters", "root"), Path(config.adapters.root), write=False)
-        root, copies = Path(config.adapters.root).resolve(), config.adapter_copies.resolve()
-        if copies == root or root in copies.parents:
-            raise ConfigError(
-                f"adapters.copies {config.adapter_copies}: inside adapters.root {config.adapters.root}, "
-                "where its copies would be taken for adapters; set it outside the root"
-            )
+    apart(config)
     if config.adapters.root is not None and config.adapters.copies is not None:
         directory(("adapters", "copies"), config.adapters.copies, write=True)
     if config.control.socket is not None:
@@ -51,6 +46,36 @@ def check(config: Config) -> None:
     except OSError as exc:
         why = exc.strerror or exc
         raise ConfigError(f"state.cache_dir {config.cache_dir}: cannot make {root}: {why}") from exc
+
+
+def apart(config: Config) -> None:
+    """`ConfigError` unless the trainers' roots and the daemon's own stores are each a directory
+    of their own: the daemon deletes what it made in its stores, and takes whatever is in a
+    root for a version (copies inside a root would be loaded as adapters; the cache set to the
+    copies would be pruned as adapters). `state.dir` may hold the stores (their defaults do), but
+    may be neither one of them nor inside one."""
+    places: list[tuple[str, Path]] = []
+    if not config.source.remote:
+        places.append(("source.path", Path(config.source.path)))
+    else:
+        places.append(("state.cache_dir", config.cache_dir))
+    if config.adapters.root is not None:
+        if not config.adapters.remote:
+            places.append(("adapters.root", Path(config.adapters.root)))
+        places.append(("adapters.copies", config.adapter_copies))
+    resolved = [(key, path, path.resolve()) for key, path in places]
+    state = config.state.dir.resolve()
+    for n, (key, path, real) in enumerate(resolved):
+        for other, other_path, other_real in resolved[n + 1 :]:
+            if real == other_real or real in other_real.parents or other_real in real.parents:
+                raise ConfigError(
+                    f"{other} {other_path}: overlaps {key} {path}; give each its own directory"
+                )
+        if state == real or real in state.parents:
+            raise ConfigError(
+                f"state.dir {config.state.dir}: {'is' if state == real else 'inside'} {key} {path}; "
+                "give the state its own directory"
+            )
 
 
 def adapter_tree(config: Config) -> Tree:
