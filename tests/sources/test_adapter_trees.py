@@ -118,7 +118,7 @@ def test_adapter_source_thread_says_an_unreachable_store_once_and_lives_on(s3_en
     with capture_logs() as logs:
         source.start()
         try:
-            source._stop.wait(1.5)
+            source.stop.wait(1.5)
             assert source.is_alive()
         finally:
             source.close()

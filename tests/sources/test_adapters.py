@@ -148,7 +148,7 @@ def test_adapter_source_thread_lives_through_an_unreadable_root_and_stops(tmp_pa
         deadline = 100
         while not gated(found) and deadline:
             deadline -= 1
-            source._stop.wait(0.05)
+            source.stop.wait(0.05)
         assert gated(found) and source.is_alive()
     finally:
         source.close()
@@ -229,9 +229,10 @@ def test_adapter_source_says_a_copy_failing_once_retries_it_and_never_rejects_th
 ):
     from structlog.testing import capture_logs
 
+    from vllm_reloader.retry import Policy
     from vllm_reloader.sources import adapters
 
-    monkeypatch.setattr(adapters, "UNREADABLE_SECONDS", 0.0)  # tried again at every look
+    monkeypatch.setattr(adapters, "RETRY", Policy(0.0, 0.0))  # tried again at every look
     (tmp_path / "root").mkdir()
     tree = FullDisk(tmp_path / "root")
     source = AdapterSource(
@@ -264,14 +265,14 @@ def test_adapter_source_thread_takes_a_version_renamed_into_a_watched_root_witho
     )  # fmt: skip
     source.start()
     try:
-        source._stop.wait(0.3)  # the first look done, the watch in place
+        source.stop.wait(0.3)  # the first look done, the watch in place
         staged = write_adapter(tmp_path / "staged" / "step-1")
         (tmp_path / "root" / "support").mkdir()
         staged.rename(tmp_path / "root" / "support" / "step-1")
         for _ in range(100):
             if gated(found):
                 break
-            source._stop.wait(0.05)
+            source.stop.wait(0.05)
         assert [m.version for m in gated(found)] == ["step-1"], "woken by inotify, not the hourly look"
     finally:
         source.close()
@@ -319,19 +320,19 @@ def test_adapter_source_thread_is_not_woken_by_a_write_still_going_on(tmp_path, 
     )
     source.start()
     try:
-        source._stop.wait(0.3)
+        source.stop.wait(0.3)
         assert len(looks) == 1
         with open(tmp_path / "root" / "support" / "step-1" / "adapter_model.safetensors", "wb") as f:
             for _ in range(20):
                 f.write(b"x" * 4096)
                 f.flush()
-                source._stop.wait(0.01)
-            source._stop.wait(0.3)
+                source.stop.wait(0.01)
+            source.stop.wait(0.3)
             assert len(looks) == 1, "each look would copy a file not whole yet"
         for _ in range(40):
             if len(looks) > 1:
                 break
-            source._stop.wait(0.05)
+            source.stop.wait(0.05)
         assert len(looks) == 2, "closed after writing: looked at once"
     finally:
         source.close()
@@ -349,3 +350,32 @@ def test_adapter_source_keeps_a_versions_place_in_order_when_it_is_judged_again(
     source._judged.clear()  # judged again: a retry, a new base, a new source after a SIGHUP
     source.scan()
     assert {m.version: m.order for m in gated(found)} == first
+
+
+def test_adapter_source_copies_an_adapter_and_version_with_the_longest_names_allowed(tmp_path, found):
+    from vllm_reloader.sources.adapter_trees import MAX_NAME
+
+    source = make_source(tmp_path, found)
+    name, version = "a" * MAX_NAME, "v" * (MAX_NAME - 2) + "-7"
+    write_adapter(tmp_path / "root" / name / version)
+    source.scan()
+    [message] = gated(found)
+    assert message.verdict.status == "ready" and message.copy is not None, message.verdict
+    assert Path(message.copy.path).parent == tmp_path / "copies" / name
+
+
+def test_adapter_source_rejects_once_a_version_whose_copy_the_filesystem_cannot_name(
+    tmp_path, found, monkeypatch
+):
+    real = os.pathconf
+    monkeypatch.setattr(
+        os, "pathconf", lambda path, name: 100 if name == "PC_NAME_MAX" else real(path, name)
+    )  # a filesystem with short names (eCryptfs allows 143 bytes)
+    source = make_source(tmp_path, found)
+    write_adapter(tmp_path / "root" / "support" / ("v" * 80))
+    for _ in range(3):
+        source.scan()
+    [message] = gated(found)
+    assert (message.verdict.status, message.verdict.check) == ("rejected", "local")
+    assert "name is too long" in message.verdict.reason and message.copy is None
+    assert not list((tmp_path / "copies").glob("*/*")), "nothing copied"

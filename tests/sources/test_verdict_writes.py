@@ -82,7 +82,7 @@ def test_verdict_write_refused_is_its_own_condition_logged_once_never_a_source_f
             wait_until(lambda: store.refused >= 5 and polls[0] >= 5)  # several polls, each refused
             assert where not in bucket.listed()
             store.refuse.clear()
-            remote.wake.set()
+            remote.poke()
             wait_until(lambda: where in bucket.listed())
             wait_until(lambda: any(e["event"] == "verdict.written" for e in logs))
             seen = polls[0]

@@ -5,7 +5,6 @@ and what the gate compares an adapter with."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from ..checkpoint.adapter import AdapterVersion
 from ..checkpoint.layout import Layout
 from ..durable import replace_atomically
 from ..engine.serverinfo import Lora
+from ..retry import Policy
 from ..sources.adapters import AdapterGated
 
 STATE_NAME = "adapters.json"
@@ -23,7 +23,7 @@ MAX_REJECTED = 1000
 DTYPES = ("F16", "BF16", "F32")
 DEFAULT_RANK = 16
 """vLLM's `--max-lora-rank` when not given."""
-RETRY = (5.0, 600.0)
+RETRY = Policy(5.0, 600.0)
 """The first and the longest wait after a failure that blames nothing, in seconds."""
 
 
@@ -109,28 +109,6 @@ class Rejections:
         except (OSError, ValueError, AttributeError, RecursionError) as exc:
             self.log.error("state.unreadable", path=str(self.path), reason=str(exc)[:300])
             return {}
-
-
-class Backoff:
-    """Waits after failures that blame no version (a timeout, a refusal, an engine not clean
-    before the load), per engine and content: doubling from 5 s to 10 min."""
-
-    def __init__(self) -> None:
-        self._until: dict[tuple[str, str], tuple[float, float]] = {}
-
-    def waiting(self, engine: str, fingerprint: str) -> bool:
-        until = self._until.get((engine, fingerprint))
-        return until is not None and time.monotonic() < until[0]
-
-    def failed(self, engine: str, fingerprint: str) -> float:
-        _, last = self._until.get((engine, fingerprint), (0.0, 0.0))
-        wait = min(RETRY[1], max(RETRY[0], last * 2))
-        self._until[(engine, fingerprint)] = (time.monotonic() + wait, wait)
-        return wait
-
-    def forget(self, engine: str) -> None:
-        """The engine restarted: what failed there may be tried at once."""
-        self._until = {k: v for k, v in self._until.items() if k[0] != engine}
 
 
 class GateView:

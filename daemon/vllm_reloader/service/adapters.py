@@ -29,12 +29,13 @@ from ..checkpoint.adapter import AdapterVersion, Served
 from ..config import Config
 from ..engine import adapters as swapping
 from ..engine.client import EngineClient
+from ..retry import Backoff
 from ..sources.adapter_fleet import AdapterFleet, AdapterRecalled
 from ..sources.adapter_trees import StoreTree
 from ..sources.adapters import AdaptersListed, AdapterSource, Found
 from . import paths
 from .adapter_calls import drained
-from .adapter_records import Adapter, Backoff, GateView, Rejections, in_use
+from .adapter_records import RETRY, Adapter, GateView, Rejections, in_use
 from .engine import Engine
 from .metrics import Metrics
 from .readiness import Drain
@@ -58,7 +59,8 @@ class Adapters:
         self.unfit: set[tuple[str, str | None]] = set()
         """(adapter fingerprint, base fingerprint) whose canary failed on that base."""
         self.rejected = Rejections(config.state.dir, log)
-        self.backoff = Backoff()
+        self.backoff: Backoff[tuple[str, str]] = Backoff(RETRY)
+        """(engine URL, content or `RECHECK`) → the wait after a failure that blamed nothing."""
         self.gate = GateView()
         self.keep: frozenset[str] | None = None
         """Copies in use, None until every engine said what it holds (read by the source thread)."""
@@ -179,7 +181,7 @@ class Adapters:
             served = engine.served
             if not (served.reconciled and served.up):  # back from a restart, it holds none
                 if self.held.get(engine.url) is not None:
-                    self.backoff.forget(engine.url)
+                    self.backoff.forget(partial(_on_engine, engine.url))
                 self.held[engine.url] = None
                 continue
             if not engine.idle:
@@ -192,7 +194,7 @@ class Adapters:
                 continue
             base = served.serving.fingerprint if served.serving else None
             if engine.url not in self.checked or self.checked[engine.url] != base:
-                if held and not self.backoff.waiting(engine.url, RECHECK):
+                if held and not self.backoff.waiting((engine.url, RECHECK)):
                     names = tuple(sorted(held))
                     check = partial(swapping.recheck, names=names, config=self.config.canary)
                     self._ask(engine, check, partial(self._rechecked, engine, base, names, n == 0))
@@ -215,7 +217,7 @@ class Adapters:
                 want is None
                 or (removed and name not in (self.listed or ()))
                 or held.get(name) == want.path
-                or self.backoff.waiting(engine.url, want.fingerprint)
+                or self.backoff.waiting((engine.url, want.fingerprint))
             ):
                 continue
             good = state.good if canary else self.versions.get(held.get(name, ""))
@@ -282,7 +284,7 @@ class Adapters:
             self._failed(engine, canary, result, fields, held)
         elif result.error is not None:
             self._count(target.adapter, "failed", engine.url)
-            wait = self.backoff.failed(engine.url, target.fingerprint)
+            wait = self.backoff.failed((engine.url, target.fingerprint))
             engine.log.warning("adapter.load_failed", **fields, reason=result.error, retry_in_s=wait)
         else:
             if held is not None:
@@ -318,7 +320,7 @@ class Adapters:
             state = self.known[target.adapter]
             state.rejected = {**state.rejected, target.version: f"canary: {result.canary_failed}"}
         else:  # a follower's failure, or no answer: tried again later, blaming nothing
-            self.backoff.failed(engine.url, target.fingerprint)
+            self.backoff.failed((engine.url, target.fingerprint))
         engine.log.error(
             "adapter.rolled_back", **fields, cause="canary",
             reason=result.canary_failed, blamed=result.blamed,
@@ -352,7 +354,7 @@ class Adapters:
             engine.log.error("adapter.unloaded", adapter=name, cause="base_changed", reason=reason)
         if set(found) != set(names):  # not all judged (no answer, or an unload failed): ask again
             self.held[engine.url] = None
-            wait = self.backoff.failed(engine.url, RECHECK)  # a slow engine is not asked in a loop
+            wait = self.backoff.failed((engine.url, RECHECK))  # a slow engine is not asked in a loop
             engine.log.warning("adapter.recheck_failed", adapters=list(names), retry_in_s=wait)
         else:
             self.checked[engine.url] = base
@@ -398,3 +400,7 @@ class Adapters:
 def _on(engine: Engine, asked: Mapping[str, object]) -> bool:
     """Whether the engine's thread is on the question `asked` recorded for it."""
     return engine.asking is not None and engine.asking is asked.get(engine.url)
+
+
+def _on_engine(url: str, key: tuple[str, str]) -> bool:
+    return key[0] == url

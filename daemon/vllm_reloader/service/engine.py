@@ -218,7 +218,7 @@ class Engine:
                 client.close()
 
         self.worker.submit(Ask(self.client, last))
-        self.worker.stop()
+        self.worker.finish()
 
     def close(self, wait: float = 5.0) -> None:
         """Let the engine's thread end (waiting `wait` seconds at most for a call under way),

@@ -108,7 +108,7 @@ class Engines:
         engines = (*self.all, *self.retired)
         self.stopping.set()
         for engine in engines:
-            engine.worker.stop()
+            engine.worker.finish()
         until = time.monotonic() + wait
         for engine in engines:
             engine.close(max(0.0, until - time.monotonic()))

@@ -11,7 +11,6 @@ The reading threads are made once, with the thread, not per gate.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint import gate, layout, order, scan, verified
+from ..threads import QueueWorker
 from .state import Loaded
 
 
@@ -65,29 +65,20 @@ class _Job:
     options: gate.GateOptions
 
 
-class Gater:
+class Gater(QueueWorker[_Job]):
     def __init__(self, post: Callable[[GateFinished], None], threads: int) -> None:
+        super().__init__("gate")
         self._post = post
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="gate-read")
         self.cache = verified.Cache()
         """Shards read while their checkpoint was written, by identity (see `verified`)."""
         self._threads = threads
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="gate", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
 
     def close(self, timeout: float = 5.0) -> None:
-        self._jobs.put(None)
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        super().close(timeout)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def submit(
+    def submit(  # type: ignore[override]
         self,
         candidate: order.Candidate,
         directory: Path,
@@ -95,16 +86,15 @@ class Gater:
         options: gate.GateOptions,
     ) -> Gating:
         gating = Gating(candidate, directory)
-        self._jobs.put(_Job(gating, serving, options))
+        super().submit(_Job(gating, serving, options))
         return gating
 
     def prehash(self, shard: Path, max_tensors: int | None = None) -> None:
         """A writer closed `shard`: read it now, on the reading threads, beside the writing."""
         self._pool.submit(scan.prehash, shard, self.cache, max_tensors)
 
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            gating = job.gating
-            run = gate.Run(self._threads, self._pool, gating.cancel, gating.progress, self.cache)
-            verdict = gate.check(gating.directory, serving=job.serving, options=job.options, run=run)
-            self._post(GateFinished(gating, verdict, time.perf_counter() - gating.started))
+    def handle(self, job: _Job) -> None:
+        gating = job.gating
+        run = gate.Run(self._threads, self._pool, gating.cancel, gating.progress, self.cache)
+        verdict = gate.check(gating.directory, serving=job.serving, options=job.options, run=run)
+        self._post(GateFinished(gating, verdict, time.perf_counter() - gating.started))

@@ -11,8 +11,6 @@ good checkpoint) back at once, here, before the loop hears of it.
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -25,6 +23,7 @@ from ..engine import canary
 from ..engine.client import EngineClient
 from ..engine.swap import Target, hot_swap
 from ..errors import EngineCallFailed, EngineError, EngineNotSetUp, ReloaderError, ReloadFailed
+from ..threads import QueueWorker
 from .readiness import Drain
 from .state import Loaded
 
@@ -108,49 +107,32 @@ class Answered:
 Report = Outcome | WarmedUp | Answered
 
 
-class ReloadWorker:
+class ReloadWorker(QueueWorker[Job | WarmUp | Ask]):
+    """The engine's thread. `close` waits for the call under way at most its timeout (each
+    engine call has its own deadline; a thread left behind dies with the process); what was
+    submitted before it still runs (a dropped engine's last resume)."""
+
     def __init__(self, post: Callable[[Report], None], name: str = "reload-worker") -> None:
+        super().__init__(name)
         self._post = post
-        self._jobs: queue.SimpleQueue[Job | WarmUp | Ask | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def submit(self, job: Job | WarmUp | Ask) -> None:
-        self._jobs.put(job)
-
-    def stop(self) -> None:
-        """Take no more work: the thread ends after what was submitted before."""
-        self._jobs.put(None)
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop, and wait for the call under way at most `timeout` seconds (each engine call
-        has its own deadline; a daemon thread left behind dies with the process)."""
-        self.stop()
-        self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            started = time.perf_counter()
-            if isinstance(job, WarmUp):
-                problem = canary.probe(job.client, job.canary)
-                self._post(WarmedUp(time.perf_counter() - started, problem, job.client.url))
-                continue
-            if isinstance(job, Ask):
-                self._post(_answer(job))
-                continue
-            try:
-                outcome = self._one(job, started)
-            except Exception as exc:  # a bug: the loop must hear of it; hot_swap has resumed
-                failed = ReloadFailed(
-                    f"internal error: {type(exc).__name__}: {exc}", restored=False, engine_up=True
-                )
-                outcome = Outcome(job, time.perf_counter() - started, error=failed)
-            self._post(outcome)
+    def handle(self, job: Job | WarmUp | Ask) -> None:
+        started = time.perf_counter()
+        if isinstance(job, WarmUp):
+            problem = canary.probe(job.client, job.canary)
+            self._post(WarmedUp(time.perf_counter() - started, problem, job.client.url))
+            return
+        if isinstance(job, Ask):
+            self._post(_answer(job))
+            return
+        try:
+            outcome = self._one(job, started)
+        except Exception as exc:  # a bug: the loop must hear of it; hot_swap has resumed
+            failed = ReloadFailed(
+                f"internal error: {type(exc).__name__}: {exc}", restored=False, engine_up=True
+            )
+            outcome = Outcome(job, time.perf_counter() - started, error=failed)
+        self._post(outcome)
 
     def _one(self, job: Job, started: float) -> Outcome:
         failpoints.hit("after_gate")

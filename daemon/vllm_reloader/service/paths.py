@@ -68,9 +68,7 @@ def apart(config: Config) -> None:
     for n, (key, path, real) in enumerate(resolved):
         for other, other_path, other_real in resolved[n + 1 :]:
             if real == other_real or real in other_real.parents or other_real in real.parents:
-                raise ConfigError(
-                    f"{other} {other_path}: overlaps {key} {path}; give each its own directory"
-                )
+                raise ConfigError(f"{other} {other_path}: overlaps {key} {path}; give each its own directory")
         if state == real or real in state.parents:
             raise ConfigError(
                 f"state.dir {config.state.dir}: {'is' if state == real else 'inside'} {key} {path}; "

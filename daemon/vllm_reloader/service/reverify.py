@@ -14,8 +14,6 @@ One target at a time: this is rare, and a rollback target is at most a few check
 from __future__ import annotations
 
 import os
-import queue
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -23,6 +21,7 @@ from pathlib import Path
 
 from ..checkpoint import gate, layout
 from ..checkpoint.files import Identity, identity
+from ..threads import QueueWorker
 from .state import Loaded
 
 RETRY_CHANGED = 30.0
@@ -80,14 +79,13 @@ class _Work:
     key: tuple[str, str, tuple[Identity, ...]]
 
 
-class Reverifier:
-    """Used from the loop (`submit`, `done`); the gate runs on its own thread."""
+class Reverifier(QueueWorker[_Work]):
+    """Used from the loop (`submit`, `done`); the gate runs on its own thread (`close` stops a
+    read under way at its next chunk)."""
 
     def __init__(self, post: Callable[[Reverified], None]) -> None:
+        super().__init__("reverify")
         self._post = post
-        self._jobs: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="reverify", daemon=True)
-        self._stop = threading.Event()
         self.under_way: dict[tuple[str, str], tuple[str, str, tuple[Identity, ...]]] = {}
         """(name, fingerprint) → what is being read (the loop's; loads wait for these)."""
         self._failed: set[tuple[str, str, tuple[Identity, ...]]] = set()
@@ -95,19 +93,7 @@ class Reverifier:
         self._retry_at: dict[tuple[str, str], float] = {}
         """Changed while being read: not read again before then (a file touched over and over)."""
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def close(self, timeout: float = 5.0) -> None:
-        self._stop.set()  # a read under way stops at its next chunk
-        self._jobs.put(None)
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-
-    def submit(
+    def submit(  # type: ignore[override]
         self,
         target: Loaded,
         now: tuple[Identity, ...],
@@ -122,7 +108,7 @@ class Reverifier:
             return False
         self.under_way[(target.name, target.fingerprint)] = key
         checked = replace(options, verify_digests=True)  # only digests can show the bytes are the same
-        self._jobs.put(_Work(target, serving, checked, key))
+        super().submit(_Work(target, serving, checked, key))
         return True
 
     def done(self, result: Reverified) -> None:
@@ -133,14 +119,13 @@ class Reverifier:
             else:
                 self._retry_at[key[:2]] = time.monotonic() + RETRY_CHANGED
 
-    def _run(self) -> None:
-        while (work := self._jobs.get()) is not None:
-            started = time.perf_counter()
-            target = work.target
-            run = gate.Run(threads=work.options.digest_threads, cancel=self._stop)
-            verdict = gate.check(Path(target.path), serving=work.serving, options=work.options, run=run)
-            why = _judge(target, verdict)
-            files = None if why else verdict.files
-            seconds = time.perf_counter() - started
-            final = verdict.status != "pending"
-            self._post(Reverified(target.name, target.fingerprint, files, why, seconds, final))
+    def handle(self, work: _Work) -> None:
+        started = time.perf_counter()
+        target = work.target
+        run = gate.Run(threads=work.options.digest_threads, cancel=self.stop)
+        verdict = gate.check(Path(target.path), serving=work.serving, options=work.options, run=run)
+        why = _judge(target, verdict)
+        files = None if why else verdict.files
+        seconds = time.perf_counter() - started
+        final = verdict.status != "pending"
+        self._post(Reverified(target.name, target.fingerprint, files, why, seconds, final))

@@ -21,8 +21,6 @@ import itertools
 import os
 import queue
 import shutil
-import threading
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,14 +33,18 @@ from ..checkpoint import adapter
 from ..checkpoint.adapter import CONFIG_NAME, MAX_CONFIG_BYTES, WEIGHTS_NAME, AdapterVerdict, AdapterVersion
 from ..checkpoint.conventions import name_step
 from ..errors import SourceError
+from ..retry import Backoff, Policy
+from ..threads import LoopWorker
 from .adapter_fleet import AdapterFleet, AdapterRecalled
 from .adapter_trees import CHUNK, Content, Tree
+from .local import name_too_long
 
 STAGING_PREFIX = ".copying-"
-RETRY_SECONDS = 60.0
-"""A version rejected for what is not its content (`io`, `internal`) is judged again after this."""
-UNREADABLE_SECONDS = 10.0
-"""A version that could not be copied (the store or the disk failed) is tried again after this."""
+RETRY = Policy(10.0, 600.0)
+"""A version that could not be copied (the store or the disk failed), or was rejected for what
+is not its content (`io`, `internal`), is judged again after a backoff from 10 s to 10 min."""
+DIGEST_CHARS = 32
+"""Of the copy's blake3, in its directory's name."""
 _instances = itertools.count()
 _seen = itertools.count()
 _first_seen: dict[tuple[str, str, str, str | None], int] = {}
@@ -78,7 +80,6 @@ class _Judged:
     content: Content
     served: adapter.Served
     copy: str | None
-    retry_at: float | None = None
     said: tuple[object, ...] | None = None
     """The warning its copy failed with, which holds until it is tried again."""
     waiting: AdapterGated | None = None
@@ -92,7 +93,7 @@ def max_weights_bytes(served: adapter.Served) -> int:
     return pairs * served.max_rank * 4 + (16 << 20)
 
 
-class AdapterSource:
+class AdapterSource(LoopWorker):
     def __init__(
         self,
         tree: Tree,
@@ -110,55 +111,43 @@ class AdapterSource:
         (adapter, version) to judge again, their copy found changed; `fleet`: the records of
         the hosts reading the same store; `holds`: what engines here hold, as (adapter,
         fingerprint), for a follower's recalls."""
-        self.tree, self.copies, self.interval = tree, copies, interval
+        super().__init__("adapters", interval)
+        self.tree, self.copies = tree, copies
         self.fleet, self._holds = fleet, holds
         self._served, self._keep, self._post = served, keep, post
         self._forgotten = forgotten or queue.SimpleQueue()
         self._judged: dict[tuple[str, str], _Judged] = {}
+        self._retry: Backoff[tuple[str, str]] = Backoff(RETRY)
+        """(adapter, version) judged again once its wait is over (a failure that blamed nothing)."""
         self._said: set[tuple[object, ...]] = set()
         """Warnings said and still holding: not said again until they stop and come back."""
         self._holding: set[tuple[object, ...]] = set()
-        self._stop = threading.Event()
-        self._wake = threading.Event()
         self._staging = f"{STAGING_PREFIX}{os.getpid()}-{next(_instances)}-"
-        self._thread = threading.Thread(target=self._run, name="adapters", daemon=True)
         self.log = log.get().bind(root=tree.where)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def close(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
+    def run(self) -> None:
         self._sweep()
-        try:
-            watcher = self.tree.watch(self._wake.set)
+        try:  # a change under a watched root pokes it at once
+            watcher = self.tree.watch(self.poke)
         except OSError as exc:  # inotify's limits: every `interval` it is looked at all the same
             watcher = None
             self.log.warning("adapters.unwatched", reason=_reason(exc), interval=self.interval)
         try:
-            while not self._stop.is_set():
-                try:
-                    self.scan()
-                except (OSError, SourceError) as exc:  # the root itself: said once, looked at again
-                    self._say("adapters.unreadable", reason=_reason(exc))
-                self._wake.wait(self.interval)  # a change under a watched root wakes it at once
-                self._wake.clear()
+            super().run()
         finally:
             if watcher is not None:
                 watcher.close()
 
+    def turn(self) -> None:
+        try:
+            self.scan()
+        except (OSError, SourceError) as exc:  # the root itself: said once, looked at again
+            self._say("adapters.unreadable", reason=_reason(exc))
+
     def _tell(self, message: Found) -> None:
         """To the loop, unless closed: a source replaced by a SIGHUP while stuck in a call to a
         hung store says nothing of the old root when it comes back."""
-        if not self._stop.is_set():
+        if not self.stop.is_set():
             self._post(message)
 
     def _say(self, event: str, **fields: Any) -> tuple[object, ...]:
@@ -188,7 +177,7 @@ class AdapterSource:
         present = set()
         for name, versions in sorted(listing.items()):
             for version, content in sorted(versions.items()):
-                if self._stop.is_set():
+                if self.stop.is_set():
                     return
                 present.add((name, version))
                 self._consider(name, version, content, served)
@@ -210,19 +199,18 @@ class AdapterSource:
         judged = self._judged.get((name, version))
         if judged is not None and judged.said is not None:
             self._holding.add(judged.said)  # until it is tried again
+        key = (name, version)
+        again = self._retry.until(key) is not None and not self._retry.waiting(key)
         if content is None or (
-            judged is not None
-            and judged.content == content
-            and judged.served is served
-            and (judged.retry_at is None or time.monotonic() < judged.retry_at)
+            judged is not None and judged.content == content and judged.served is served and not again
         ):
             return
         try:
             verdict, copy = self._judge(name, version, content, served)
         except (OSError, SourceError) as exc:  # not the content's fault: tried again in a while
             said = self._say("adapter.unreadable", adapter=name, version=version, reason=_reason(exc))
-            retry_at = time.monotonic() + UNREADABLE_SECONDS
-            self._judged[(name, version)] = _Judged(content, served, None, retry_at, said)
+            self._retry.failed(key)
+            self._judged[key] = _Judged(content, served, None, said)
             return
         except Exception as exc:
             verdict, copy = (
@@ -231,7 +219,10 @@ class AdapterSource:
             )
         if verdict.status == "pending":
             return
-        retry = time.monotonic() + RETRY_SECONDS if verdict.check in ("io", "internal") else None
+        if verdict.check in ("io", "internal"):
+            self._retry.failed(key)
+        else:
+            self._retry.succeeded(key)
         first = (self.tree.where, name, version, copy.fingerprint if copy else None)
         order = (
             step if (step := name_step(version)) is not None else -1,
@@ -241,7 +232,7 @@ class AdapterSource:
         follow = self.fleet is not None and self.fleet.follower and message.copy is not None
         waiting = message if follow else None  # a follower's: posted once the canary hosts pass it
         kept = copy.path if copy else None
-        self._judged[(name, version)] = _Judged(content, served, kept, retry, None, waiting)
+        self._judged[key] = _Judged(content, served, kept, None, waiting)
         if not follow:
             self._tell(message)
 
@@ -286,6 +277,8 @@ class AdapterSource:
                 f"an adapter of the served model at r = {served.max_rank} can hold ({limit} bytes)"
             )
             return adapter.AdapterVerdict("rejected", too_big, "size"), None
+        if too_long := self._too_long(name, version):  # never copied: rejected once, not retried
+            return adapter.AdapterVerdict("rejected", too_long, "local"), None
         made = self._copy(name, version, content)
         if made is None:  # written meanwhile: the next look takes it
             return adapter.AdapterVerdict("pending", "written while copied"), None
@@ -295,12 +288,20 @@ class AdapterSource:
             shutil.rmtree(copy.path, ignore_errors=True)  # pending: taken again; rejected: kept out
         return verdict, AdapterVersion(name, version, copy.path, copy.fingerprint, verdict.files, copy.size)
 
+    def _too_long(self, name: str, version: str) -> str | None:
+        """Why the copy's directories cannot be made where copies live (the copy is named
+        `<adapter>/<version>@<digest>`), or None."""
+        return name_too_long(self.copies, name) or name_too_long(
+            self.copies / name, f"{version}@{'0' * DIGEST_CHARS}"
+        )
+
     def _copy(self, name: str, version: str, content: Content) -> tuple[AdapterVersion, bool] | None:
         """The two files copied and hashed in one read, then renamed into place (or the
         copy of the same bytes made before, kept as it is); None when the source changed while
         it was read. The flag: a new copy."""
         self._ensure(self.copies)
-        staging = self.copies / f"{self._staging}{name}-{version}"
+        where = blake3.blake3(f"{name}/{version}".encode()).hexdigest()[:16]
+        staging = self.copies / f"{self._staging}{where}"  # short, whatever the names' lengths
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
         os.chmod(staging, 0o755)  # the engine's user reads it, whatever the daemon's umask
@@ -309,7 +310,7 @@ class AdapterSource:
             if not self.tree.copy(name, version, content, staging, hasher):
                 return None
             digest = hasher.hexdigest()
-            final = self.copies / name / f"{version}@{digest[:32]}"
+            final = self.copies / name / f"{version}@{digest[:DIGEST_CHARS]}"
             self._ensure(final.parent)
             if final.is_dir() and _digest(final) == digest:  # the same bytes: an engine may read it
                 return AdapterVersion(name, version, str(final), digest, size=size), False
@@ -339,7 +340,7 @@ class AdapterSource:
             return
         current = {j.copy for j in self._judged.values() if j.copy}
         for copy in self.copies.glob("*/*@*"):
-            if self._stop.is_set():  # replaced: the new source's copies are not this one's to judge
+            if self.stop.is_set():  # replaced: the new source's copies are not this one's to judge
                 return
             if str(copy) not in keep and str(copy) not in current:
                 shutil.rmtree(copy, ignore_errors=True)

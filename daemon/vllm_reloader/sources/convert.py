@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import queue
 import re
 import shutil
 import signal
@@ -41,6 +40,8 @@ from ..checkpoint.files import is_top_level_shard, open_regular
 from ..checkpoint.gate import Verdict
 from ..checkpoint.manifest import MANIFEST_NAME, Manifest, ManifestFile, dumps, listed
 from ..config import API_KEY_ENV, SourceConfig
+from ..retry import Backoff, Policy
+from ..threads import QueueWorker
 from .download import place
 from .remote import Downloaded, Rejected
 
@@ -49,7 +50,7 @@ STAGING_PREFIX = ".converting-"
 LOCK_SUFFIX = ".lock"
 TAIL_LINES = 8
 TAIL_CHARS = 1500
-RETRY = (60.0, 3600.0)
+RETRY = Policy(60.0, 3600.0)
 """Backoff after a failure that is not the checkpoint's (first, most), in seconds."""
 PLACEHOLDER = re.compile(r"\{(input|output|format|name)\}")
 
@@ -72,23 +73,23 @@ class _Again(Exception):
     """Not the checkpoint's fault: try it again after a backoff."""
 
 
-class Converter:
+class Converter(QueueWorker[Conversion]):
     """Runs `[source] converter` on whole foreign checkpoints, one at a time, and posts
     `Downloaded` (placed: gate it) or `Rejected` to the loop."""
 
     def __init__(
         self, source: SourceConfig, root: Path, post: Callable[[Downloaded | Rejected], None]
     ) -> None:
+        super().__init__("converter")
         self.source, self.root, self.post = source, root, post
         self.asked: set[tuple[str, str]] = set()
         """(name, fingerprint) submitted since start: each content is converted once..."""
-        self.retry_at: dict[tuple[str, str], tuple[float, float]] = {}
-        """...unless it failed for a reason not its own: (when to try again, the backoff)."""
+        self.backoff: Backoff[tuple[str, str]] = Backoff(RETRY)
+        """...unless it failed for a reason not its own: tried again once its wait is over."""
+        self.queued: set[tuple[str, str]] = set()
+        """Submitted and not done yet (a verdict every second must not queue it again)."""
         self._lock = threading.Lock()
-        self.stop = threading.Event()
         self.log = log.get()
-        self._jobs: queue.SimpleQueue[Conversion | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="converter", daemon=True)
 
     def configure(self, source: SourceConfig, root: Path) -> None:
         """SIGHUP: the next conversion runs the new command, into the new root (one running goes on)."""
@@ -103,48 +104,47 @@ class Converter:
         if not self.source.converter or directory.parent != self.root:  # a SIGHUP moved the root
             return
         with self._lock:
-            again = self.retry_at.get(key)
-            if key in self.asked and (again is None or time.monotonic() < again[0]):
+            failed_before = self.backoff.until(key) is not None
+            if key in self.queued or (key in self.asked and (not failed_before or self.backoff.waiting(key))):
                 return
             self.asked.add(key)
+            self.queued.add(key)
+            waiting = len(self.queued) > 1
         job = Conversion(name, fingerprint, directory, kind, self.root)
-        self.log.info(
-            "checkpoint.converting", name=name, format=kind, into=job.placed, queued=not self._jobs.empty()
-        )
-        self._jobs.put(job)
+        self.log.info("checkpoint.converting", name=name, format=kind, into=job.placed, queued=waiting)
+        self.submit(job)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def close(self, timeout: float = 10.0) -> None:
-        self.stop.set()
-        self._jobs.put(None)
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
+    def run(self) -> None:
         _sweep(self.root)  # here, not at start: a crashed conversion's leftovers may be large
-        while (job := self._jobs.get()) is not None and not self.stop.is_set():
+        super().run()
+
+    def handle(self, job: Conversion) -> None:
+        key = (job.name, job.fingerprint)
+        try:
+            with self._lock:
+                waiting = self.backoff.waiting(key)  # as it runs, not as it was queued
+            if self.stop.is_set() or waiting:
+                return
             try:
                 result = self._convert(job)
             except _Again as exc:
                 self._later(job, str(exc))
-                continue
+                return
             except Exception as exc:  # a bug: this content only; the thread goes on
                 result = self._rejected(job, f"internal error: {type(exc).__name__}: {exc}")
+            with self._lock:
+                self.backoff.succeeded(key)
             if result is not None:
                 self.post(result)
+        finally:
+            with self._lock:
+                self.queued.discard(key)
 
     def _later(self, job: Conversion, reason: str) -> None:
-        key = (job.name, job.fingerprint)
         with self._lock:
-            backoff = min(self.retry_at.get(key, (0.0, RETRY[0] / 2))[1] * 2, RETRY[1])
-            self.retry_at[key] = (time.monotonic() + backoff, backoff)
+            wait = self.backoff.failed((job.name, job.fingerprint))
         self.log.warning(
-            "checkpoint.convert_failed", name=job.name, reason=reason[:TAIL_CHARS], retry_in_s=backoff
+            "checkpoint.convert_failed", name=job.name, reason=reason[:TAIL_CHARS], retry_in_s=wait
         )
 
     def _rejected(self, job: Conversion, reason: str) -> Rejected:

@@ -16,7 +16,6 @@ loop's inbox like any other event.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from ..checkpoint.files import SINGLE_NAME
 from ..checkpoint.manifest import Manifest
 from ..config import Config
 from ..errors import Cancelled, DownloadError, SourceError
+from ..threads import LoopWorker
 from . import cache, local, verdicts
 from .download import Fetched, Plan, fetch, remember
 from .listing import BucketListing, HeaderSizes, by_head, judge
@@ -76,7 +76,7 @@ class Seen:
         return self.candidate.fingerprint
 
 
-class RemoteSource:
+class RemoteSource(LoopWorker):
     """Polls `[source] path` and downloads into `config.checkpoint_root`."""
 
     def __init__(
@@ -94,12 +94,12 @@ class RemoteSource:
         placed files' identities, so the local gate does not hash them again. `serves`: what
         the engines here serve, as (name, fingerprint): a follower goes back from one a canary
         host fails later."""
+        super().__init__("remote-source", config.source.interval)
         self.config, self.serving, self.rejected, self.post = config, serving, rejected, post
         self.serves = serves
         self.verified_files = verified_files
         self.store = store or Store(config.source.path, endpoint_url=config.source.endpoint_url)
         self.log = log.get()
-        self.stop = threading.Event()
         self.seen: dict[str, Seen] = {}
         self.pending: dict[str, str] = {}
         self.unsignalled: dict[str, str] = {}  # nothing says they are complete yet: why
@@ -119,35 +119,17 @@ class RemoteSource:
         """What is failing now, by kind ("source", "download"), in the store's words (`status`)."""
         self.said: dict[str, str] = {}  # ...and its one-line reason, logged once, not per poll
         self.fleet = verdicts.Fleet(self.store, config.rollout, self.log, config.state.dir)
-        self.wake = threading.Event()
-        """Set to poll (and write verdicts) now rather than at the next interval."""
-        self._thread = threading.Thread(target=self._run, name="remote-source", daemon=True)
 
     @property
     def staging_root(self) -> Path:
         return self.config.cache_dir / "staging"
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def close(self, timeout: float = 10.0) -> None:
-        self.stop.set()
-        self.wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
+    def turn(self) -> None:
         try:
-            while not self.stop.is_set():
-                # A refused write is logged by the fleet as its own condition: the listing may
-                # work all the while (a read-only policy on `_verdicts/`), so no `source.failed`.
-                self.fleet.write_queued(retry_in_s=self.config.source.interval)
-                self.poll()
-                self.wake.wait(self.config.source.interval)
-                self.wake.clear()
+            # A refused write is logged by the fleet as its own condition: the listing may
+            # work all the while (a read-only policy on `_verdicts/`), so no `source.failed`.
+            self.fleet.write_queued(retry_in_s=self.config.source.interval)
+            self.poll()
         except Exception:
             # A bug, not a store failure: say so; the watchdog pings stop and systemd restarts us.
             self.log.exception("source.crashed", source=self.config.source.path)
@@ -156,7 +138,7 @@ class RemoteSource:
     def record(self, verdict: verdicts.Verdict) -> None:
         """A canary host's verdict on a version, written by this thread (called from the loop)."""
         self.fleet.add(verdict)
-        self.wake.set()
+        self.poke()
 
     def _cleared(self, name: str, seen: Seen, waiting: dict[str, str]) -> bool:
         """A follower: whether the canary hosts' records let this version load (else it waits,
