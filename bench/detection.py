@@ -84,14 +84,14 @@ def _daemon(base: Path, runs: int, polling: bool, interval: float) -> list[float
     structlog.configure(logger_factory=structlog.ReturnLoggerFactory())  # quiet
     daemon = Daemon(cfg, client=engine.client())
     submitted: queue.SimpleQueue[tuple[str, float]] = queue.SimpleQueue()
-    submit = daemon.reloader.canary.worker.submit
+    submit = daemon.reloader.engines.schedulers[0].worker.submit
 
     def recorded(job: Job | WarmUp | Ask) -> None:
         if isinstance(job, Job):  # a reload (the engine's thread also takes the loop's questions)
             submitted.put((job.candidate.name, time.perf_counter()))
         submit(job)
 
-    daemon.reloader.canary.worker.submit = recorded  # type: ignore[method-assign]
+    daemon.reloader.engines.schedulers[0].worker.submit = recorded  # type: ignore[method-assign]
     thread = threading.Thread(target=daemon.run, daemon=True)
     thread.start()
     latencies = []

@@ -11,7 +11,7 @@ LOG_METHODS = {"debug", "info", "warning", "error", "exception", "critical"}
 EVENT = re.compile(r"[a-z_]+\.[a-z_]+")
 
 
-FILE_SUFFIXES = {"json", "txt", "safetensors", "sock", "toml", "log", "bin", "pt", "pth"}
+FILE_SUFFIXES = {"json", "txt", "safetensors", "sock", "toml", "log", "bin", "pt", "pth", "sqlite"}
 
 
 def emitted_events(source: str) -> set[str]:

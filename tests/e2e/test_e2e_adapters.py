@@ -20,6 +20,7 @@ from safetensors.numpy import load_file, save_file
 from tests.support import background
 from tests.support.engine_fixtures import DaemonProcess, Engine, daemon_config, start_engine
 from tests.support.peft_adapters import make_adapter
+from tests.support.records import open_records
 from vllm_reloader.checkpoint import adapter, layout
 from vllm_reloader.config import EngineConfig, RolloutConfig
 from vllm_reloader.engine.client import EngineClient
@@ -287,7 +288,7 @@ def test_e2e_follower_loads_an_adapter_only_once_a_canary_host_passed_it_and_goe
         Store(f"{bucket.url}/adapters"),
         RolloutConfig(host="canary-1"),
         structlog.get_logger(),
-        tmp_path / "canary-host",
+        open_records(tmp_path / "canary-host"),
     )
     daemon = DaemonProcess(config)
     try:
@@ -296,12 +297,12 @@ def test_e2e_follower_loads_an_adapter_only_once_a_canary_host_passed_it_and_goe
             bucket.put(f"adapters/delta/step-1/{file}", (version / file).read_bytes())
         waiting = daemon.wait_for("adapter.waiting", adapter="delta", timeout=60)
         assert "delta" not in client.adapters(), "not loaded before a canary host passed it"
-        canary_host.queued.put(verdicts.Verdict("delta", "step-1", waiting["fingerprint"], True))
+        canary_host.add(verdicts.Verdict("delta", "step-1", waiting["fingerprint"], True))
         assert canary_host.write_queued()
         daemon.wait_for("adapter.loaded", adapter="delta", version="step-1", timeout=60)
         assert "delta" in client.adapters()
         failed = verdicts.Verdict("delta", "step-1", waiting["fingerprint"], False, "its canary failed: NaN")
-        canary_host.queued.put(failed)
+        canary_host.add(failed)
         assert canary_host.write_queued()
         daemon.wait_for("adapter.recalled", adapter="delta", timeout=60)
         daemon.wait_for("adapter.unloaded", adapter="delta", cause="rejected", timeout=60)

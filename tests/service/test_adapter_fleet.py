@@ -9,13 +9,18 @@ from pathlib import Path
 import structlog
 from structlog.testing import capture_logs
 
+from tests.support.records import open_records
 from vllm_reloader.config import parse
 from vllm_reloader.service.adapters import Adapters
+from vllm_reloader.service.jobs import Ask
 from vllm_reloader.service.metrics import Metrics
+from vllm_reloader.service.scheduler import RELOAD_KINDS, Slot
 from vllm_reloader.sources.adapter_fleet import AdapterRecalled
 from vllm_reloader.sources.verdicts import Verdict
 
 from .test_adapters import ScriptedEngine, tick, version
+
+SLOT = Slot(room=1, drains=False)
 
 
 def on_store(tmp_path: Path, role: str) -> Adapters:
@@ -25,7 +30,13 @@ def on_store(tmp_path: Path, role: str) -> Adapters:
         f'[state]\ndir = "{tmp_path / "state"}"\n[adapters]\nroot = "s3://bucket/adapters"\n'
         f'[rollout]\nrole = "{role}"\nhost = "host-a"\n'
     )
-    return Adapters(config, structlog.get_logger(), Metrics(), post=lambda _: None)
+    return Adapters(
+        config,
+        structlog.get_logger(),
+        Metrics(),
+        post=lambda _: None,
+        records=open_records(tmp_path / "state"),
+    )
 
 
 def told(adapters: Adapters) -> list[Verdict]:
@@ -46,8 +57,10 @@ def test_a_canary_host_tells_the_fleet_its_canary_engines_pass_and_blamed_failur
         ("step-2", bad.copy.fingerprint, False),
     ], "one verdict per content, from the canary engine only"
     assert "its canary failed" in (told(adapters)[1].reason or "")
-    kept = tmp_path / "state" / "adapter-fleet" / "unwritten-verdicts.json"
-    assert kept.is_file(), "kept across a restart until written"
+    kept = open_records(tmp_path / "state").outbox("adapters")
+    assert [found["version"] for _, found in kept] == ["step-1", "step-2"], (
+        "kept across a restart until written"
+    )
 
 
 def test_a_follower_tells_the_fleet_no_pass_and_goes_back_from_a_recalled_content(tmp_path, s3_env):
@@ -58,6 +71,7 @@ def test_a_follower_tells_the_fleet_no_pass_and_goes_back_from_a_recalled_conten
         tick(adapters, [first, second])
     assert first.client.loaded == second.client.loaded == {"support": two.copy.path}
     assert told(adapters) == [], "a follower's pass counts for nothing"
+    adapters.prepare([first, second])  # type: ignore[list-item]
     assert adapters.holds == {("support", two.copy.fingerprint)}, "what the source checks for recalls"
     with capture_logs() as logs:
         adapters.found(AdapterRecalled("support", "step-2", two.copy.fingerprint, "canary host c failed it"))
@@ -80,14 +94,16 @@ def test_a_sighup_that_moves_the_state_dir_hands_the_unwritten_verdicts_over(tmp
     old = adapters.source
     adapters.rejected.remember("ab" * 16, "its canary failed: NaN")
     (tmp_path / "state2").mkdir()
+    adapters.records.move_to(tmp_path / "state2")  # the daemon moves the store, then reconfigures
     adapters.reconfigure(
         adapters.config.model_copy(
             update={"state": adapters.config.state.model_copy(update={"dir": tmp_path / "state2"})}
         )
     )
     assert adapters.source is not old and told(adapters) == [verdict]
-    assert (tmp_path / "state2" / "adapter-fleet" / "unwritten-verdicts.json").is_file()
-    assert "ab" * 16 in (tmp_path / "state2" / "adapters.json").read_text(), "a restart forgets no rejection"
+    moved = open_records(tmp_path / "state2")
+    assert [found["version"] for _, found in moved.outbox("adapters")] == ["step-1"]
+    assert "ab" * 16 in moved.all("adapter_rejected"), "a restart forgets no rejection"
     adapters.close()
 
 
@@ -109,15 +125,15 @@ def test_the_version_good_before_is_gone_back_to_on_a_recall_only(tmp_path):
     assert state.want(False, {one.fingerprint, two.fingerprint}) is None
 
 
-def test_a_stop_waits_for_an_adapter_swap_under_way_on_an_engines_thread(tmp_path, s3_env):
+def test_an_adapter_swap_is_work_a_stop_waits_for(tmp_path, s3_env):
     adapters, engine = on_store(tmp_path, "canary"), ScriptedEngine("a")
     adapters.found(version(tmp_path, "support", 1, seed=1))
-    adapters.tick([engine])  # type: ignore[list-item]
-    engine.run()  # what it holds
-    adapters.tick([engine])  # type: ignore[list-item]
-    assert engine.asked and adapters.under_way([engine]), "a swap asked: a stop waits for it"  # type: ignore[list-item]
-    engine.run()
-    assert not adapters.under_way([engine])  # type: ignore[list-item]
+    tick(adapters, [engine], rounds=2)  # what it holds; nothing to canary again
+    engine.client.loaded.clear()
+    adapters.facts.held["a"] = {}
+    adapters.prepare([engine])  # type: ignore[list-item]
+    work = adapters.plan(engine, SLOT)  # type: ignore[arg-type]
+    assert work is not None and work.kind == "adapter swap" and work.kind in RELOAD_KINDS
 
 
 def test_a_pass_whose_answer_was_lost_is_the_last_good_once_its_canary_passes_again(tmp_path, s3_env):
@@ -126,10 +142,11 @@ def test_a_pass_whose_answer_was_lost_is_the_last_good_once_its_canary_passes_ag
     adapters.found(one)
     tick(adapters, [canary, follower])
     adapters.found(two)
-    adapters.tick([canary, follower])  # type: ignore[list-item]
-    call, _ = canary.asked.pop(0)
-    call(canary.client)  # loaded and canaried, its answer lost (a SIGHUP regrouped the engines)
-    adapters.held[canary.url] = None  # as after a regroup: asked again
+    adapters.prepare([canary, follower])  # type: ignore[list-item]
+    work = adapters.plan(canary, SLOT)  # type: ignore[arg-type]
+    assert work is not None and isinstance(work.run, Ask)
+    work.run.call(canary.client)  # type: ignore[arg-type]  # loaded and canaried, its answer lost
+    adapters.facts.held[canary.url] = None  # as after a regroup: asked again
     tick(adapters, [canary, follower])
     assert follower.client.loaded == {"support": two.copy.path}, "the followers follow it"
     assert [v.version for v in told(adapters) if v.passed] == ["step-1", "step-2"], "and the fleet hears"
@@ -141,23 +158,10 @@ def test_a_pass_that_lands_after_its_recall_does_not_bring_it_back(tmp_path, s3_
     adapters.found(one)
     tick(adapters, [canary, follower])
     adapters.found(two)
-    adapters.tick([canary, follower])  # type: ignore[list-item]
-    assert canary.asked, "step-2's swap under way"
+    adapters.prepare([canary, follower])  # type: ignore[list-item]
+    swap = adapters.plan(canary, SLOT)  # type: ignore[arg-type]
+    assert swap is not None and swap.kind == "adapter swap", "step-2's swap under way"
     adapters.found(AdapterRecalled("support", "step-2", two.copy.fingerprint, "canary host c failed it"))
+    canary.run(swap)  # its pass lands after the recall
     tick(adapters, [canary, follower])
     assert canary.client.loaded == follower.client.loaded == {"support": one.copy.path}
-
-
-def test_drained_adapter_swaps_take_no_more_engines_out_than_max_unavailable(tmp_path, s3_env):
-    adapters = on_store(tmp_path, "canary")
-    engines = [ScriptedEngine(url) for url in ("a", "b", "c")]
-    adapters.found(version(tmp_path, "support", 1, seed=1))
-    tick(adapters, engines)  # the canary engine and then the others load it, in place
-    adapters.found(version(tmp_path, "support", 2, seed=2))
-    adapters.tick(engines)  # type: ignore[arg-type]
-    engines[0].run()  # the canary engine passes it first
-    assert not engines[1].asked and not engines[2].asked
-    for _ in range(3):
-        adapters.tick(engines, lambda url: object())  # type: ignore[arg-type, list-item]
-    swaps = [e.url for e in engines if e.asked]
-    assert swaps == ["b"], "one drained swap at a time (max_unavailable = 1)"

@@ -13,14 +13,18 @@ import structlog
 from structlog.testing import capture_logs
 
 from tests.support.adapters import BASE, write_adapter
+from tests.support.records import open_records
 from vllm_reloader.checkpoint import adapter
 from vllm_reloader.checkpoint.layout import Layout
 from vllm_reloader.config import parse
 from vllm_reloader.errors import EngineCallFailed, EngineUnavailable
 from vllm_reloader.service.adapters import Adapters
+from vllm_reloader.service.jobs import Ask
 from vllm_reloader.service.metrics import Metrics
+from vllm_reloader.service.scheduler import Slot, Work
 from vllm_reloader.service.status import render
 from vllm_reloader.sources.adapters import AdapterGated, AdaptersListed
+from vllm_reloader.sources.content import all_of
 
 
 class ScriptedClient:
@@ -77,27 +81,14 @@ class ScriptedEngine:
     client: ScriptedClient = field(default_factory=ScriptedClient)
     served: Served = field(default_factory=Served)
     log: Any = field(default_factory=structlog.get_logger)
-    asked: list[Any] = field(default_factory=list)
-    in_flight: Any = None
-    """A base reload under way (the scripted engines run none)."""
+    done: list[Work] = field(default_factory=list)
+    """The work its scheduler ran on it, in order."""
 
-    @property
-    def idle(self) -> bool:
-        return not self.asked
-
-    @property
-    def asking(self) -> Any:
-        """The question its thread is on (as `Engine.asking`)."""
-        return self.asked[0] if self.asked else None
-
-    def ask(self, call: Any, then: Any) -> None:
-        self.asked.append((call, then))
-
-    def run(self) -> None:
-        """The engine's thread answers what was asked."""
-        while self.asked:
-            call, then = self.asked.pop(0)
-            then(call(self.client))
+    def run(self, work: Work) -> None:
+        """The engine's thread runs the work, and the loop applies its answer."""
+        assert isinstance(work.run, Ask)
+        self.done.append(work)
+        work.then(work.run.call(self.client))  # type: ignore[arg-type]
 
 
 @dataclass
@@ -122,15 +113,26 @@ def version(tmp_path: Path, name: str, step: int, seed: int = 0) -> AdapterGated
     return AdapterGated(name, f"step-{step}", (step, 0), verdict, copy)
 
 
-def tick(adapters: Adapters, engines: list[ScriptedEngine], rounds: int = 6) -> None:
+IN_PLACE = Slot(room=1, drains=False)
+
+
+def tick(adapters: Adapters, engines: list[ScriptedEngine], rounds: int = 6, slot: Slot = IN_PLACE) -> None:
+    """As the engines' schedulers do: each turn, each engine runs the adapter work planned for it."""
     for _ in range(rounds):
-        adapters.tick(engines)  # type: ignore[arg-type]
+        adapters.prepare(engines)  # type: ignore[arg-type]
         for engine in engines:
-            engine.run()
+            if (work := adapters.plan(engine, slot)) is not None:  # type: ignore[arg-type]
+                engine.run(work)
 
 
 def make(tmp_path: Path, extra: str = "") -> Adapters:
-    return Adapters(config(tmp_path, extra), structlog.get_logger(), Metrics(), post=lambda _: None)
+    return Adapters(
+        config(tmp_path, extra),
+        structlog.get_logger(),
+        Metrics(),
+        post=lambda _: None,
+        records=open_records(tmp_path / "state"),
+    )
 
 
 def test_adapters_canary_engine_loads_first_and_followers_only_what_passed_there(tmp_path):
@@ -221,15 +223,16 @@ def test_adapters_unload_a_removed_adapter_only_when_configured(tmp_path):
         assert set(engine.client.loaded) == expected
 
 
-def test_adapters_keep_the_copies_in_use_for_the_source_thread(tmp_path):
+def test_adapters_hold_the_copies_in_use_so_the_collector_keeps_them(tmp_path):
     adapters, engine = make(tmp_path), ScriptedEngine("a")
     first, second, third = (version(tmp_path, "support", n, seed=n) for n in (1, 2, 3))
     for found in (first, second, third):
         adapters.found(found)
         tick(adapters, [engine])
-    assert third.copy.path in adapters.keep, "served and last good"
-    assert second.copy.path in adapters.keep, "the good one before: a recall goes back to it"
-    assert first.copy.path not in adapters.keep, "neither: the source may remove it"
+    held = set().union(*adapters.facts.leases().values())
+    assert third.copy.path in held, "served and last good"
+    assert second.copy.path in held, "the good one before: a recall goes back to it"
+    assert first.copy.path not in held, "neither: the collector may remove it"
     status = adapters.snapshot([engine])  # type: ignore[list-item]
     assert status["support"]["engines"] == {"a": "step-3"} and status["support"]["last_good"] == "step-3"
     shown = render({"adapters": status})
@@ -300,33 +303,16 @@ def test_adapters_a_restarted_daemon_unloads_an_uncanaried_broken_version_the_ca
     assert first.client.loaded == {} and second.client.loaded == {}
 
 
-def test_adapters_swap_with_the_engine_out_of_rotation_where_drain_is_on_and_put_it_back(tmp_path):
-    import threading
-
-    from vllm_reloader.service.readiness import Drain, Rotation
-
-    rotation = Rotation(["a", "b"])
-    for url in ("a", "b"):
-        rotation.put_back(url, "down")
-    seen_out: list[str | None] = []
-
-    class Watched(ScriptedClient):
-        def load_adapter(self, name: str, path: str) -> None:
-            seen_out.append(rotation.why_out("a"))
-            super().load_adapter(name, path)
-
-        def requests_in_flight(self) -> int:
-            return 0
-
-    adapters, engine = make(tmp_path), ScriptedEngine("a", client=Watched())
-    engine.rotation = rotation  # type: ignore[attr-defined]
-    drain = Drain(rotation, grace=0.0, timeout=1.0, stop=threading.Event())
+def test_adapters_swap_drained_where_readiness_drains_and_only_while_the_budget_has_room(tmp_path):
+    adapters, engine = make(tmp_path), ScriptedEngine("a")
     adapters.found(version(tmp_path, "support", 1, seed=1))
-    for _ in range(4):
-        adapters.tick([engine], lambda url: drain)  # type: ignore[list-item]
-        engine.run()
-    assert seen_out and seen_out[0] is not None and "drain" in seen_out[0], "out while it loads"
-    assert rotation.why_out("a") is None, "back after its canary"
+    tick(adapters, [engine], rounds=1)  # what it holds: nothing
+    adapters.prepare([engine])  # type: ignore[list-item]
+    assert adapters.plan(engine, Slot(room=0, drains=True)) is None, "as a reload: it waits for room"  # type: ignore[arg-type]
+    work = adapters.plan(engine, Slot(room=1, drains=True))  # type: ignore[arg-type]
+    assert work is not None and work.kind == "adapter swap" and work.drains and not work.pauses
+    in_place = adapters.plan(engine, Slot(room=0, drains=False))  # type: ignore[arg-type]
+    assert in_place is not None and not in_place.drains, "no balancer to drain for: in place, no budget"
 
 
 def test_adapters_are_judged_at_the_engines_max_rank_and_lora_dtype_unless_configured_lower():
@@ -362,11 +348,13 @@ def test_adapters_canaried_again_without_an_answer_are_asked_again_only_after_a_
     assert engine.client.loaded == {"one": one.copy.path}, "kept: nothing judged it"
 
 
-def test_adapters_forget_an_engine_a_sighup_let_go_so_copies_are_pruned_again(tmp_path):
+def test_adapters_forget_an_engine_a_sighup_let_go_so_copies_are_collected_again(tmp_path):
     adapters, kept, dropped = make(tmp_path), ScriptedEngine("a"), ScriptedEngine("b")
     adapters.found(version(tmp_path, "support", 1, seed=1))
     tick(adapters, [kept])
-    adapters.tick([kept, dropped])  # type: ignore[list-item]
-    assert adapters.keep is None, "b's holdings unknown: no copy may go"
+    adapters.prepare([kept, dropped])  # type: ignore[list-item]
+    adapters.facts.held["b"] = None  # b's holdings not asked yet
+    assert all_of("adapter") in adapters.facts.leases()["engine:b:adapters"], "b's unknown: no copy may go"
     tick(adapters, [kept])  # b dropped from [engine] urls
-    assert adapters.keep is not None and "b" not in adapters.held
+    assert "b" not in adapters.facts.held
+    assert all(all_of("adapter") not in held for held in adapters.facts.leases().values())

@@ -8,7 +8,8 @@ import pytest
 
 from tests.support.checkpoints import hf_index, write_manifest, write_weights
 from tests.support.fake_engine import FakeEngine, error, unreachable
-from vllm_reloader import config, durable
+from tests.support.records import fill_disk
+from vllm_reloader import config
 from vllm_reloader.checkpoint.files import INDEX_NAME
 from vllm_reloader.engine.client import RELOADING_PREFIX
 from vllm_reloader.service import state, status
@@ -114,15 +115,12 @@ def test_daemon_keeps_serving_when_state_cannot_be_written(
     make_checkpoint("step-1", step=1, root=root)
     engine = FakeEngine(startup=str(root / "step-1"))
 
-    def disk_full(*_args, **_kwargs):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(durable.tempfile, "mkstemp", disk_full)
     running = start(engine)
     running.wait_for("engine.reconciled")
+    fill_disk(running.daemon.records, monkeypatch)
     make_checkpoint("step-2", step=2, root=root)
     running.wait_for("reload.succeeded", version="step-2")
-    assert running.wait_for("state.write_failed")["reason"].endswith("No space left on device")
+    assert running.wait_for("state.write_failed")["reason"] == "database or disk is full"
     assert (
         running.daemon.reloader.served.serving is not None
         and running.daemon.reloader.served.serving.version == "step-2"

@@ -15,8 +15,9 @@ from vllm_reloader.config import EngineConfig
 from vllm_reloader.engine.client import EngineClient
 from vllm_reloader.errors import EngineNotSetUp, EngineUnavailable
 from vllm_reloader.service.engines import Engines
-from vllm_reloader.service.jobs import Answered, Report
+from vllm_reloader.service.jobs import Answered, Ask, Report
 from vllm_reloader.service.metrics import Metrics
+from vllm_reloader.service.scheduler import Work
 
 URLS = ["http://engine-0.test", "http://engine-1.test", "http://engine-2.test"]
 
@@ -29,20 +30,32 @@ def engines(reports: list[Report]) -> Engines:
     return made
 
 
+def ask(
+    host: Engines,
+    n: int,
+    call: Callable[[EngineClient], object],
+    then: Callable[[object], None],
+    kind: str = "check",
+) -> None:
+    """What a scheduler starts: `call` on engine n's thread, `then` with its answer on the loop."""
+    scheduler = host.schedulers[n]
+    scheduler.start(Work(kind, Ask(scheduler.engine.client, call), then), None)
+
+
 def test_engines_close_waits_for_hung_calls_once_in_all_not_once_per_engine():
     reports: list[Report] = []
     host = engines(reports)
     release = threading.Event()
-    for engine in host:
-        engine.ask(lambda _client: release.wait(30), lambda _: None)
+    for n in range(len(URLS)):
+        ask(host, n, lambda _client: release.wait(30), lambda _: None)
     host.close(wait=0.3)
     try:
-        assert all(e.worker.is_alive() for e in host), "it returned while every call still hung"
+        assert all(s.worker.is_alive() for s in host.schedulers), "it returned while every call still hung"
     finally:
         release.set()
-    for engine in host:
-        engine.worker._thread.join(5)
-        assert not engine.worker.is_alive(), "and each thread ends once its call does"
+    for scheduler in host.schedulers:
+        scheduler.worker._thread.join(5)
+        assert not scheduler.worker.is_alive(), "and each thread ends once its call does"
 
 
 def test_engines_answer_reaches_the_engine_that_asked_and_a_failure_backs_it_off():
@@ -51,14 +64,14 @@ def test_engines_answer_reaches_the_engine_that_asked_and_a_failure_backs_it_off
     seen: list[object] = []
     try:
         first, second = host.all[0], host.all[1]
-        first.ask(lambda client: client.weight_version(), seen.append)
-        second.ask(fails(EngineUnavailable("gone", endpoint="/x")), seen.append)
+        ask(host, 0, lambda client: client.weight_version(), seen.append)
+        ask(host, 1, fails(EngineUnavailable("gone", endpoint="/x")), seen.append)
         for _ in range(2):
             answer = next_report(reports)
-            host.answered(answer)
+            host.finished(answer)
         assert seen == ["default"], "the failed call's continuation never ran"
-        assert first.served.up and first.idle
-        assert not second.served.up and second.idle and second.served.retry_at > 0
+        assert first.served.up and host.idle(first)
+        assert not second.served.up and host.idle(second) and second.retry_at() > time.monotonic()
     finally:
         host.close()
 
@@ -68,10 +81,10 @@ def test_engines_answer_to_a_question_asked_before_a_regroup_is_dropped():
     host = engines(reports)
     seen: list[object] = []
     try:
-        host.all[0].ask(lambda client: client.weight_version(), seen.append)
+        ask(host, 0, lambda client: client.weight_version(), seen.append)
         host.regroup(EngineConfig(urls=URLS, retry_initial=0.05), (None, ()))
-        host.answered(next_report(reports))
-        assert seen == [] and host.all[0].idle
+        host.finished(next_report(reports))
+        assert seen == [] and host.idle(host.all[0])
     finally:
         host.close()
 
@@ -81,9 +94,9 @@ def test_engines_engine_not_set_up_on_its_thread_reaches_the_loop():
     host = engines(reports)
     seen: list[object] = []
     try:
-        host.all[0].ask(fails(EngineNotSetUp("dev mode off")), seen.append)
+        ask(host, 0, fails(EngineNotSetUp("dev mode off")), seen.append)
         with pytest.raises(EngineNotSetUp, match="dev mode off"):
-            host.answered(next_report(reports))
+            host.finished(next_report(reports))
     finally:
         host.close()
 
@@ -106,24 +119,12 @@ def next_report(reports: list[Report], timeout: float = 5.0) -> Answered:
     raise AssertionError("no answer came back")
 
 
-def test_engines_answer_while_stopping_starts_nothing():
-    reports: list[Report] = []
-    host = engines(reports)
-    seen: list[object] = []
-    try:
-        host.all[0].ask(lambda client: client.weight_version(), seen.append)
-        host.answered(next_report(reports), act=False)
-        assert seen == [] and host.all[0].idle
-    finally:
-        host.close()
-
-
 def test_engines_dropped_engine_owed_a_resume_is_resumed_on_its_own_thread_not_the_loops():
     """A SIGHUP drops an engine whose resume failed (it did not answer): the loop lets it go at
     once; its thread resumes it, then closes its client."""
     reports: list[Report] = []
     host = engines(reports)
-    dropped = host.all[2]
+    dropped, thread = host.all[2], host.schedulers[2].worker
     release, resumed = threading.Event(), threading.Event()
 
     def resume() -> None:
@@ -137,8 +138,8 @@ def test_engines_dropped_engine_owed_a_resume_is_resumed_on_its_own_thread_not_t
         assert [e.url for e in host] == URLS[:2] and not resumed.is_set(), "the loop did not wait"
         release.set()
         assert resumed.wait(5), "its thread resumed it"
-        dropped.worker._thread.join(5)
-        assert not dropped.worker.is_alive()
+        thread._thread.join(5)
+        assert not thread.is_alive()
     finally:
         release.set()
         host.close()
@@ -148,11 +149,13 @@ def test_engines_follower_whose_retry_time_passed_sets_no_deadline_that_would_sp
     reports: list[Report] = []
     host = engines(reports)
     try:
-        follower = host.all[1]
+        follower, scheduler = host.all[1], host.schedulers[1]
         follower.served.reconciled, follower.served.next_check = True, time.monotonic() + 60
-        follower.last_error, follower.retry_at_follow = "HTTP 500", time.monotonic() + 30
-        assert min(follower.deadlines()) == follower.retry_at_follow
-        follower.retry_at_follow = time.monotonic() - 1  # due, but no room now: a freed place wakes it
-        assert min(follower.deadlines()) == follower.served.next_check
+        follower.last_error = "HTTP 500"
+        follower.follow.failed(follower.url)
+        assert min(scheduler.deadlines()) == follower.retry_at_follow()
+        follower.follow.succeeded(follower.url)  # due, but no room now: a freed place wakes it
+        follower.follow._until[follower.url] = (time.monotonic() - 1, 1)
+        assert min(scheduler.deadlines()) == follower.served.next_check
     finally:
         host.close()

@@ -1,72 +1,179 @@
+"""The checkpoints' facts in the record store, and the previous release's JSON files imported
+into it at the first start (kept, renamed): nothing it remembered is lost, and a file that
+cannot be read stops the start instead of being taken for empty."""
+
 import errno
 import json
-import os
 from pathlib import Path
 
 import pytest
+import structlog
+from structlog.testing import capture_logs
 
-from vllm_reloader import durable
+from tests.support.records import fill_disk, open_records
+from vllm_reloader import records as records_mod
 from vllm_reloader.errors import StateError
-from vllm_reloader.service import state
+from vllm_reloader.service import migrate, state
+from vllm_reloader.sources.verdicts import Verdict
 
 
 def sample() -> state.State:
     loaded = state.Loaded(name="step-2", version="step-2", path="/r/step-2", since=1.0, step=2)
     rejected = {"step-3": state.Rejection(version="step-3", reason="bad", fingerprint="f", at=2.0)}
-    return state.State(serving=loaded, good=(loaded,), rejected=rejected)
+    return state.State(serving=loaded, good=(loaded,), rejected=rejected, pinned="step-2")
 
 
-def test_state_round_trips(tmp_path):
+def test_state_round_trips_through_the_record_store(tmp_path):
     state.save(tmp_path, sample())
+    assert state.load(tmp_path) == sample()
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(("-wal", "-shm"))] == [records_mod.NAME]
+
+
+def test_state_of_a_state_dir_with_no_store_is_empty_and_nothing_is_made(tmp_path):
+    assert state.load(tmp_path) == state.State() and list(tmp_path.iterdir()) == []
+
+
+def test_state_a_write_the_disk_failed_is_said_and_written_whole_at_the_next_change(tmp_path, monkeypatch):
+    records = open_records(tmp_path)
+    facts = state.StateRecords(records, structlog.get_logger())
+    full = fill_disk(records, monkeypatch)
+    with capture_logs() as logs:
+        facts.save(sample())
+    assert [e["event"] for e in logs] == ["state.write_failed"] and full.refused
+    assert "disk is full" in logs[0]["reason"]
+    monkeypatch.undo()
+    assert state.StateRecords(records, structlog.get_logger()).saved == state.State(), "nothing half-written"
+    facts.save(sample())  # the same facts again: written now (not taken as saved before)
     assert state.load(tmp_path) == sample()
 
 
-def test_state_missing_file_is_empty(tmp_path):
-    assert state.load(tmp_path / "nowhere") == state.State()
-
-
-def test_state_write_is_atomic_when_interrupted(tmp_path, monkeypatch):
+def test_state_a_fact_another_release_wrote_is_dropped_and_said_the_rest_kept(tmp_path):
     state.save(tmp_path, sample())
-
-    def crash(*_args):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(os, "replace", crash)
-    with pytest.raises(StateError, match="No space left"):
-        state.save(tmp_path, state.State())
-    assert state.load(tmp_path) == sample()
-    assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
+    records = open_records(tmp_path)
+    records.put("checkpoint", "good", [{"name": 3}])
+    with capture_logs() as logs:
+        found = state.StateRecords(records, structlog.get_logger()).saved
+    assert found.rejected == sample().rejected and found.good == ()
+    assert [e["event"] for e in logs] == ["state.corrupt"]
 
 
-def test_state_corrupt_file_is_a_state_error(tmp_path):
-    (tmp_path / "state.json").write_text("{not json")
-    with pytest.raises(StateError, match="corrupt"):
-        state.load(tmp_path)
+# -- the previous release's files ---------------------------------------------------------------
 
 
-def test_state_read_only_dir_is_a_state_error(tmp_path, monkeypatch):
-    def read_only(*_args, **_kwargs):
-        raise OSError(30, "Read-only file system")
-
-    monkeypatch.setattr(durable.tempfile, "mkstemp", read_only)
-    with pytest.raises(StateError, match="Read-only"):
-        state.save(tmp_path, sample())
-
-
-def test_state_file_with_one_last_good_loads_as_a_history_of_one(tmp_path):
-    loaded = state.Loaded(name="step-2", version="step-2", path="/r/step-2", since=1.0, step=2)
-    (tmp_path / state.STATE_NAME).write_text(
-        json.dumps({"serving": loaded.model_dump(), "last_good": loaded.model_dump(), "rejected": {}})
+def previous_release(directory: Path) -> None:
+    """What the release before wrote in `state.dir`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    old = sample().model_dump(mode="json")
+    old["last_good"] = old.pop("good")[0]  # the oldest layout: one last good
+    (directory / "state.json").write_text(json.dumps(old))
+    (directory / "adapters.json").write_text(json.dumps({"rejected": {"ab" * 16: "its canary failed: NaN"}}))
+    verdict = {"name": "step-4", "version": "step-4", "fingerprint": "4" * 64, "passed": False,
+               "reason": "canary: NaN", "canary": True}  # fmt: skip
+    (directory / "unwritten-verdicts.json").write_text(json.dumps([verdict]))
+    (directory / "instance-id").write_text("c" * 32)
+    (directory / "adapter-fleet").mkdir()
+    (directory / "adapter-fleet" / "unwritten-verdicts.json").write_text(
+        json.dumps([{**verdict, "name": "support", "version": "v1", "passed": True, "reason": None}])
     )
-    assert state.load(tmp_path).good == (loaded,)
 
 
-def test_state_corrupt_file_is_moved_aside_not_fatal(tmp_path):
-    (tmp_path / state.STATE_NAME).write_text('{"serving": {"name": 3')
-    found, aside = state.load_or_set_aside(tmp_path)
-    assert found == state.State() and aside is not None
-    assert aside.name.startswith("state.json.corrupt-") and aside.read_text() == '{"serving": {"name": 3'
-    assert not (tmp_path / state.STATE_NAME).exists()
+def test_migrate_imports_everything_the_previous_release_kept_and_renames_its_files(tmp_path):
+    previous_release(tmp_path)
+    records = open_records(tmp_path)
+    with capture_logs() as logs:
+        migrate.migrate(records, tmp_path, structlog.get_logger())
+    assert state.StateRecords(records, structlog.get_logger()).saved == sample()
+    assert records.all("adapter_rejected") == {"ab" * 16: "its canary failed: NaN"}
+    assert [Verdict(**v).name for _, v in records.outbox("checkpoints")] == ["step-4"]
+    assert [(v["name"], v["passed"]) for _, v in records.outbox("adapters")] == [("support", True)]
+    assert records.meta("instance:checkpoints") == "c" * 32
+    [said] = [e for e in logs if e["event"] == "state.migrated"]
+    assert said["imported"]["state.json"] == {"rejected": 1, "good": 1}
+    assert sorted(p.name for p in tmp_path.rglob("*.migrated")) == [
+        "adapters.json.migrated", "instance-id.migrated", "state.json.migrated",
+        "unwritten-verdicts.json.migrated", "unwritten-verdicts.json.migrated",
+    ]  # fmt: skip
+    assert not list(tmp_path.rglob("*.json")), "each file kept, renamed"
+    migrate.migrate(records, tmp_path, structlog.get_logger())  # the next start: nothing twice
+    assert len(records.outbox("checkpoints")) == 1
+
+
+@pytest.mark.parametrize("name", ["state.json", "adapters.json", "unwritten-verdicts.json"])
+@pytest.mark.parametrize(
+    "error", [PermissionError(errno.EACCES, "Permission denied"), OSError(errno.EIO, "Input/output error")]
+)
+def test_migrate_a_file_that_cannot_be_read_stops_the_start_and_nothing_is_lost_or_imported(
+    tmp_path, monkeypatch, name, error
+):
+    """Before: an `adapters.json` unreadable for a moment was taken for empty: a canary-rejected
+    adapter loaded again, and the next save erased every rejection. Now no start without it."""
+    previous_release(tmp_path)
+    held = (tmp_path / name).read_bytes()
+    real = Path.read_bytes
+
+    def read_bytes(path: Path) -> bytes:
+        if path == tmp_path / name:
+            raise error
+        return real(path)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(migrate, "READ_BACKOFF_S", 0.001)
+    records = open_records(tmp_path)
+    with capture_logs() as logs, pytest.raises(StateError, match=rf"cannot read .*{name}: {error.strerror}"):
+        migrate.migrate(records, tmp_path, structlog.get_logger())
+    assert [e["event"] for e in logs] == ["state.unreadable"] * migrate.READ_TRIES
+    assert records.meta(migrate.IMPORTED) is None and records.all("adapter_rejected") == {}
+    assert real(tmp_path / name) == held and not list(tmp_path.rglob("*.migrated"))
+    monkeypatch.undo()
+    migrate.migrate(records, tmp_path, structlog.get_logger())  # the disk is back: all of it imported
+    assert records.all("adapter_rejected") == {"ab" * 16: "its canary failed: NaN"}
+
+
+def test_migrate_a_file_read_and_not_what_it_should_be_is_set_aside_said_and_the_rest_imported(tmp_path):
+    previous_release(tmp_path)
+    (tmp_path / "adapters.json").write_text('{"rejected": ["not", "a", "map"]}')
+    records = open_records(tmp_path)
+    with capture_logs() as logs:
+        migrate.migrate(records, tmp_path, structlog.get_logger())
+    [corrupt] = [e for e in logs if e["event"] == "state.corrupt"]
+    assert Path(corrupt["moved_to"]).read_text() == '{"rejected": ["not", "a", "map"]}'
+    assert state.StateRecords(records, structlog.get_logger()).saved == sample()
+
+
+def test_daemon_whose_adapter_rejections_cannot_be_read_exits_1_and_never_loads_a_rejected_adapter(
+    tmp_path, monkeypatch, capsys
+):
+    """Exit 1, not 2: the unit's `RestartPreventExitStatus=2` would keep it down for good, and a
+    disk that failed a read may answer at the next start."""
+    from vllm_reloader import cli
+    from vllm_reloader.service.daemon import Daemon
+
+    (tmp_path / "root").mkdir()
+    previous_release(tmp_path / "state")
+    path = tmp_path / "x.toml"
+    path.write_text(
+        f'[source]\npath = "{tmp_path / "root"}"\n[engine]\nurl = "http://engine.test"\n'
+        f'[state]\ndir = "{tmp_path / "state"}"\n[log]\nformat = "json"\n'
+    )
+    real = Path.read_bytes
+
+    def read_bytes(found: Path) -> bytes:
+        if found.name == "adapters.json":
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real(found)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(migrate, "READ_BACKOFF_S", 0.001)
+    monkeypatch.setattr(Daemon, "run", lambda _self: 99)  # started after all: say so, do not hang
+    assert cli.main(["run", "--config", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert err.startswith(
+        f"vllm-reloader: cannot read {tmp_path / 'state' / 'adapters.json'}: Permission denied"
+    )
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert [json.loads(line)["event"] for line in out.splitlines()] == [
+        "state.unreadable"
+    ] * migrate.READ_TRIES
 
 
 def test_state_file_of_the_previous_release_keeps_pin_rejections_and_history(
@@ -96,7 +203,7 @@ def test_state_file_of_the_previous_release_keeps_pin_rejections_and_history(
         "rejected": {"step-3": {"version": "step-3", "reason": "canary: NaN", "fingerprint": bad, "at": 2.0}},
         "pinned": "step-2",
     }
-    (tmp_path / "state" / state.STATE_NAME).write_text(json.dumps(old))
+    (tmp_path / "state" / "state.json").write_text(json.dumps(old))
     engine = FakeEngine(startup=str(root / "step-1"))
     engine.version, engine.loaded = "step-2", str(root / "step-2")
     running = start(engine)
@@ -130,7 +237,7 @@ def test_state_of_the_previous_release_whose_serving_copy_was_replaced_loads_wha
     files = gate.check(x, serving=None).files
     old = {"name": "latest", "version": "latest", "path": str(x), "since": 1.0, "step": 5,
            "files": {k: list(v) for k, v in files.items()}}  # fmt: skip
-    (tmp_path / "state" / state.STATE_NAME).write_text(json.dumps({"serving": old, "good": [old]}))
+    (tmp_path / "state" / "state.json").write_text(json.dumps({"serving": old, "good": [old]}))
     shutil.rmtree(x)
     make_checkpoint("latest", step=5, root=root, seed=2)  # Y, in its place
     startup = make_checkpoint("startup", root=tmp_path / "models")
@@ -139,95 +246,3 @@ def test_state_of_the_previous_release_whose_serving_copy_was_replaced_loads_wha
     running = start(engine)
     running.wait_for("reload.succeeded", version="latest")
     assert engine.loaded == str(root / "latest")
-
-
-class Recorded:
-    """A logger that keeps what it was told."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict]] = []
-
-    def warning(self, event: str, **fields: object) -> None:
-        self.events.append((event, fields))
-
-    error = warning
-
-
-def failing_reads(monkeypatch, error: OSError, times: int | None = None) -> list[int]:
-    """`state.json` cannot be read (`times` times, or for ever). The suite runs as root, so a
-    chmod would not do."""
-    calls: list[int] = []
-    read = Path.read_bytes
-
-    def read_bytes(path: Path) -> bytes:
-        if path.name == state.STATE_NAME and (times is None or len(calls) < times):
-            calls.append(1)
-            raise error
-        return read(path)
-
-    monkeypatch.setattr(Path, "read_bytes", read_bytes)
-    monkeypatch.setattr(state, "READ_BACKOFF_S", 0.001)
-    return calls
-
-
-@pytest.mark.parametrize(
-    "error", [PermissionError(errno.EACCES, "Permission denied"), OSError(errno.EIO, "Input/output error")]
-)
-def test_state_file_that_cannot_be_read_is_not_set_aside_and_nothing_is_lost(tmp_path, monkeypatch, error):
-    state.save(tmp_path, sample())
-    saved = (tmp_path / state.STATE_NAME).read_bytes()
-    calls = failing_reads(monkeypatch, error)
-    log = Recorded()
-    with pytest.raises(StateError, match=rf"cannot read .*state.json: {error.strerror} \(4 tries\)"):
-        state.StateFile(tmp_path, log)
-    assert len(calls) == state.READ_TRIES
-    assert [p.name for p in tmp_path.iterdir()] == [state.STATE_NAME]
-    assert [e for e, _ in log.events] == ["state.unreadable"] * state.READ_TRIES
-    assert log.events[0][1]["reason"] == error.strerror and log.events[-1][1]["retry_in_s"] is None
-    monkeypatch.undo()
-    assert (tmp_path / state.STATE_NAME).read_bytes() == saved
-    assert state.load(tmp_path) == sample()
-
-
-def test_state_file_unreadable_for_a_moment_is_read_on_a_retry(tmp_path, monkeypatch):
-    state.save(tmp_path, sample())
-    failing_reads(monkeypatch, OSError(errno.EIO, "Input/output error"), times=2)
-    log = Recorded()
-    assert state.StateFile(tmp_path, log).saved == sample()
-    assert [(e, f["attempt"]) for e, f in log.events] == [("state.unreadable", 1), ("state.unreadable", 2)]
-    assert [p.name for p in tmp_path.iterdir()] == [state.STATE_NAME]
-
-
-def test_state_file_read_and_not_parsed_is_still_set_aside_and_logged(tmp_path):
-    (tmp_path / state.STATE_NAME).write_text('{"serving": {"name": 3')
-    log = Recorded()
-    assert state.StateFile(tmp_path, log).saved == state.State()
-    [(event, fields)] = log.events
-    assert event == "state.corrupt" and Path(str(fields["moved_to"])).read_text() == '{"serving": {"name": 3'
-
-
-def test_daemon_whose_state_file_cannot_be_read_exits_1_with_one_line(tmp_path, monkeypatch, capsys):
-    """Exit 1, not 2: the unit's `RestartPreventExitStatus=2` would keep it down for good, and a
-    disk that failed a read may answer at the next start."""
-    from vllm_reloader import cli
-    from vllm_reloader.service.daemon import Daemon
-
-    (tmp_path / "root").mkdir()
-    (tmp_path / "state").mkdir()
-    state.save(tmp_path / "state", sample())
-    path = tmp_path / "x.toml"
-    path.write_text(
-        f'[source]\npath = "{tmp_path / "root"}"\n[engine]\nurl = "http://engine.test"\n'
-        f'[state]\ndir = "{tmp_path / "state"}"\n[log]\nformat = "json"\n'
-    )
-    failing_reads(monkeypatch, PermissionError(errno.EACCES, "Permission denied"))
-    monkeypatch.setattr(Daemon, "run", lambda _self: 99)  # started after all: say so, do not hang
-    assert cli.main(["run", "--config", str(path)]) == 1
-    out, err = capsys.readouterr()
-    assert err.startswith(
-        f"vllm-reloader: cannot read {tmp_path / 'state' / 'state.json'}: Permission denied"
-    )
-    assert err.count("\n") == 1 and "Traceback" not in err
-    assert [json.loads(line)["event"] for line in out.splitlines()] == ["state.unreadable"] * state.READ_TRIES
-    monkeypatch.undo()
-    assert state.load(tmp_path / "state") == sample()

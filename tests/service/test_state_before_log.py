@@ -1,9 +1,7 @@
-"""A decision is in the state file before any of its log lines: whoever reads `state.json` on
+"""A decision is in the record store before any of its log lines: whoever reads the store on
 such a line (an operator's script, a test) finds the decision there (issue 22, item 10)."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import structlog
@@ -22,7 +20,7 @@ def test_a_rejection_is_in_the_state_file_when_its_lines_are_logged(
         """Runs in the daemon's thread as each line is logged: what a reader of the line finds."""
         about_step_2 = "step-2" in (event.get("version"), event.get("name"))
         if about_step_2 and event["event"] in (line, "checkpoint.rejected"):
-            at_line[event["event"]] = json.loads((tmp_path / "state" / state.STATE_NAME).read_text())
+            at_line[event["event"]] = state.load(tmp_path / "state").model_dump(mode="json")
         return event
 
     # Before the daemon binds its loggers; the `start` fixture's capture_logs restores the config.
@@ -51,12 +49,11 @@ def test_what_a_reconciled_engine_serves_is_in_the_state_file_when_engine_reconc
 
     def read_state_file(_logger: object, _method: str, event: dict) -> dict:
         if event["event"] == "engine.reconciled":
-            path = tmp_path / "state" / state.STATE_NAME
-            at_line.append(json.loads(path.read_text()) if path.exists() else {})
+            at_line.append(state.load(tmp_path / "state").model_dump(mode="json"))
         return event
 
     structlog.configure(processors=[read_state_file, *structlog.get_config()["processors"]])
     make_checkpoint("step-1", step=1, root=root)
     running = start(FakeEngine(startup=str(root / "step-1")))
     running.wait_for("engine.reconciled")
-    assert at_line[0].get("serving", {}).get("version") == "step-1"
+    assert (at_line[0]["serving"] or {}).get("version") == "step-1"

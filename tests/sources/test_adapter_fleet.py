@@ -12,6 +12,7 @@ import structlog
 from structlog.testing import capture_logs
 
 from tests.support.adapters import write_adapter
+from tests.support.records import open_records
 from tests.support.store_fixtures import WRITABLE, Bucket
 from vllm_reloader.config import RolloutConfig
 from vllm_reloader.errors import SourceError
@@ -37,13 +38,13 @@ class Host:
             store,
             RolloutConfig(role=role, host=name),
             structlog.get_logger(),
-            tmp_path / name,  # type: ignore[arg-type]
+            open_records(tmp_path / name),
         )
         self.found: list[Found] = []
         self.holds: set[tuple[str, str]] = set()
         self.source = AdapterSource(
             StoreTree(store), tmp_path / name / "copies", 0.05,
-            served=lambda: SERVED, keep=lambda: frozenset(), post=self.found.append,
+            served=lambda: SERVED, post=self.found.append, records=open_records(tmp_path / name / "state"),
             fleet=self.fleet, holds=lambda: frozenset(self.holds),
         )  # fmt: skip
 

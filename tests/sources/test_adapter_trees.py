@@ -12,6 +12,7 @@ from structlog.testing import capture_logs
 
 from tests.support.adapters import write_adapter
 from tests.support.ports import unused_port
+from tests.support.records import open_records
 from tests.support.store_fixtures import STORES, Bucket
 from vllm_reloader.checkpoint.adapter import CONFIG_NAME, WEIGHTS_NAME, Served
 from vllm_reloader.sources.adapter_trees import LocalTree, StoreTree
@@ -35,7 +36,7 @@ def store_source(
 ) -> AdapterSource:
     return AdapterSource(
         StoreTree(Store(bucket.url)), tmp_path / "copies", 0.05,
-        served=lambda: served, keep=lambda: frozenset(), post=found.append,
+        served=lambda: served, post=found.append, records=open_records(tmp_path / "state"),
     )  # fmt: skip
 
 
@@ -51,7 +52,7 @@ def test_adapter_source_copies_from_a_store_the_same_content_a_local_root_gives(
     local: list[AdapterGated | AdaptersListed] = []
     AdapterSource(
         LocalTree(tmp_path / "made"), tmp_path / "local-copies", 0.05,
-        served=lambda: SERVED, keep=lambda: frozenset(), post=local.append,
+        served=lambda: SERVED, post=local.append, records=open_records(tmp_path / "state"),
     ).scan()  # fmt: skip
     [same] = gated(local)
     assert same.copy is not None and same.copy.fingerprint == message.copy.fingerprint
@@ -113,7 +114,7 @@ def test_adapter_source_thread_says_an_unreachable_store_once_and_lives_on(s3_en
     store = Store("s3://nowhere/runs", endpoint_url=f"http://127.0.0.1:{unused_port()}", timeout=1)
     source = AdapterSource(
         StoreTree(store), tmp_path / "copies", 0.02,
-        served=lambda: SERVED, keep=lambda: frozenset(), post=found.append,
+        served=lambda: SERVED, post=found.append, records=open_records(tmp_path / "state"),
     )  # fmt: skip
     with capture_logs() as logs:
         source.start()

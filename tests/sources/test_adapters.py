@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests.support.adapters import BASE, write_adapter
+from tests.support.records import open_records
 from vllm_reloader.checkpoint.adapter import WEIGHTS_NAME, Served
 from vllm_reloader.sources.adapter_trees import LocalTree
 from vllm_reloader.sources.adapters import AdapterGated, AdaptersListed, AdapterSource
@@ -28,11 +29,16 @@ def found() -> list[AdapterGated | AdaptersListed]:
 def make_source(tmp_path: Path, found: list[AdapterGated | AdaptersListed], **kw: object) -> AdapterSource:
     (tmp_path / "root").mkdir(exist_ok=True)
     served = kw.pop("served", SERVED)
-    keep = kw.pop("keep", frozenset())
     return AdapterSource(
         LocalTree(tmp_path / "root"), tmp_path / "copies", 0.05,
-        served=lambda: served, keep=lambda: keep, post=found.append,  # type: ignore[arg-type]
+        served=lambda: served, post=found.append, records=open_records(tmp_path / "state"),  # type: ignore[arg-type]
     )  # fmt: skip
+
+
+def collect(source: AdapterSource, *held: str) -> list[tuple[str, str]]:
+    """The loop's collector, with `held` the copies the engines and adapters hold."""
+    source.content.declare({"engines": set(held)})
+    return source.content.collect()
 
 
 def gated(found: list[AdapterGated | AdaptersListed]) -> list[AdapterGated]:
@@ -80,8 +86,8 @@ def test_adapter_source_waits_for_a_version_still_being_written(tmp_path, found)
     source.scan()  # no weights yet
     data = (whole / WEIGHTS_NAME).read_bytes()
     (version / WEIGHTS_NAME).write_bytes(data[: len(data) // 2])
-    source.scan()  # short: pending, its copy dropped
-    assert gated(found) == [] and list((tmp_path / "copies").glob("*/*")) == []
+    source.scan()  # short: pending, its copy not held
+    assert gated(found) == [] and len(collect(source)) == 1 and list((tmp_path / "copies").glob("*/*")) == []
     (version / WEIGHTS_NAME).write_bytes(data)
     source.scan()
     assert [m.verdict.status for m in gated(found)] == ["ready"]
@@ -95,7 +101,8 @@ def test_adapter_source_posts_a_rejection_and_keeps_no_copy_of_it(tmp_path, foun
     source.scan()
     [message] = gated(found)
     assert message.verdict.status == "rejected" and message.verdict.check == "non_finite"
-    assert message.copy is None and list((tmp_path / "copies").glob("*/*")) == []
+    assert message.copy is None and len(collect(source)) == 1, "its copy is not held: collected"
+    assert list((tmp_path / "copies").glob("*/*")) == []
 
 
 def test_adapter_source_passes_by_odd_names_links_and_files(tmp_path, found):
@@ -119,23 +126,19 @@ def test_adapter_source_judges_nothing_before_the_served_model_is_known(tmp_path
     assert found == []
 
 
-def test_adapter_source_prunes_copies_of_removed_versions_unless_in_use(tmp_path, found):
-    kept: set[str] = set()
-    source = AdapterSource(
-        LocalTree(tmp_path / "root"), tmp_path / "copies", 0.05,
-        served=lambda: SERVED, keep=lambda: frozenset(kept), post=found.append,
-    )  # fmt: skip
+def test_adapter_source_lets_go_of_copies_of_removed_versions_and_only_unheld_ones_are_collected(
+    tmp_path, found
+):
+    source = make_source(tmp_path, found)
     for step in (1, 2):
         write_adapter(tmp_path / "root" / "support" / f"step-{step}", seed=step)
     source.scan()
     first, second = (Path(m.copy.path) for m in gated(found) if m.copy)
-    kept.add(str(first))
+    assert collect(source) == [], "held by the source while their versions are there"
     for step in (1, 2):
-        for file in (tmp_path / "root" / "support" / f"step-{step}").iterdir():
-            file.unlink()
-        (tmp_path / "root" / "support" / f"step-{step}").rmdir()
-    source._judged.clear()  # as after a restart: nothing judged yet
+        shutil.rmtree(tmp_path / "root" / "support" / f"step-{step}")
     source.scan()
+    assert collect(source, str(first)) == [("adapter", str(second))], "an engine holds the first"
     assert first.is_dir() and not second.exists()
 
 
@@ -199,10 +202,8 @@ def test_adapter_source_never_reads_through_a_linked_version_or_a_fifo(tmp_path,
     assert gated(found) == []
 
 
-def test_adapter_source_says_nothing_of_an_empty_root_and_prunes_nothing_while_use_is_unknown(
-    tmp_path, found
-):
-    source = make_source(tmp_path, found, keep=None)
+def test_adapter_source_says_nothing_of_an_empty_root_and_deletes_nothing_itself(tmp_path, found):
+    source = make_source(tmp_path, found)
     source.scan()
     assert found == [], "an empty root (a mount not there) is not 'every adapter removed'"
     write_adapter(tmp_path / "root" / "support" / "step-1")
@@ -210,7 +211,7 @@ def test_adapter_source_says_nothing_of_an_empty_root_and_prunes_nothing_while_u
     copy = Path(gated(found)[0].copy.path)  # type: ignore[union-attr]
     shutil.rmtree(tmp_path / "root" / "support" / "step-1")
     source.scan()
-    assert copy.is_dir(), "kept: which copies the engines hold is not known yet"
+    assert copy.is_dir(), "only the loop's collector deletes a copy, where it knows who holds it"
 
 
 class FullDisk(LocalTree):
@@ -236,7 +237,12 @@ def test_adapter_source_says_a_copy_failing_once_retries_it_and_never_rejects_th
     (tmp_path / "root").mkdir()
     tree = FullDisk(tmp_path / "root")
     source = AdapterSource(
-        tree, tmp_path / "copies", 0.05, served=lambda: SERVED, keep=lambda: frozenset(), post=found.append
+        tree,
+        tmp_path / "copies",
+        0.05,
+        served=lambda: SERVED,
+        post=found.append,
+        records=open_records(tmp_path / "state"),
     )
     write_adapter(tmp_path / "root" / "support" / "step-1")
     with capture_logs() as logs:
@@ -261,7 +267,7 @@ def test_adapter_source_thread_takes_a_version_renamed_into_a_watched_root_witho
     (tmp_path / "root").mkdir()
     source = AdapterSource(
         LocalTree(tmp_path / "root"), tmp_path / "copies", 3600.0,  # looks: once an hour
-        served=lambda: SERVED, keep=lambda: frozenset(), post=found.append,
+        served=lambda: SERVED, post=found.append, records=open_records(tmp_path / "state"),
     )  # fmt: skip
     source.start()
     try:
@@ -298,7 +304,12 @@ def test_adapter_source_closed_while_stuck_in_a_listing_says_nothing_and_removes
     (tmp_path / "copies" / "new").mkdir(parents=True)
     (tmp_path / "copies" / "new" / "step-1@abc").mkdir()  # a copy the source replacing it made
     source = AdapterSource(
-        tree, tmp_path / "copies", 0.05, served=lambda: SERVED, keep=lambda: frozenset(), post=found.append
+        tree,
+        tmp_path / "copies",
+        0.05,
+        served=lambda: SERVED,
+        post=found.append,
+        records=open_records(tmp_path / "state"),
     )
     source.start()
     assert tree.listing.wait(5)
@@ -316,7 +327,12 @@ def test_adapter_source_thread_is_not_woken_by_a_write_still_going_on(tmp_path, 
     real = tree.list
     tree.list = lambda say: (looks.append(1), real(say))[1]  # type: ignore[method-assign]
     source = AdapterSource(
-        tree, tmp_path / "copies", 3600.0, served=lambda: SERVED, keep=lambda: frozenset(), post=found.append
+        tree,
+        tmp_path / "copies",
+        3600.0,
+        served=lambda: SERVED,
+        post=found.append,
+        records=open_records(tmp_path / "state"),
     )
     source.start()
     try:

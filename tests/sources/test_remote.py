@@ -15,6 +15,7 @@ import structlog
 from tests.support.checkpoints import MakeCheckpoint, hf_index, write_manifest, write_weights
 from tests.support.daemon_fixtures import wait_for_event
 from tests.support.fake_engine import FakeEngine, FakeEngineServer
+from tests.support.records import open_records
 from tests.support.store_fixtures import STORES, WRITABLE, Bucket, new_bucket
 from vllm_reloader import config
 from vllm_reloader.checkpoint import completeness, gate, order, verified
@@ -43,7 +44,11 @@ class Harness:
         self.posted: list[Downloaded | Rejected] = []
         self.serving_key = order.NOTHING
         self.source = RemoteSource(
-            self.cfg, serving=lambda: self.serving_key, rejected=dict, post=self.posted.append
+            self.cfg,
+            serving=lambda: self.serving_key,
+            rejected=dict,
+            post=self.posted.append,
+            records=open_records(self.cfg.state.dir),
         )
 
     @property
@@ -435,7 +440,11 @@ def foreign_harness(tmp_path: Path, bucket: Bucket, mode: str, **source: Any) ->
         update={"source": harness.cfg.source.model_copy(update={"completeness": mode, **source})}
     )
     harness.source = RemoteSource(
-        harness.cfg, serving=lambda: order.NOTHING, rejected=dict, post=harness.posted.append
+        harness.cfg,
+        serving=lambda: order.NOTHING,
+        rejected=dict,
+        post=harness.posted.append,
+        records=open_records(harness.cfg.state.dir),
     )
     return harness
 
@@ -572,6 +581,7 @@ def test_daemon_with_keep_0_still_loads_what_it_downloaded(tmp_path, bucket: Buc
                     make_checkpoint(f"o{step}", root=tmp_path / "t", seed=step), bucket.url, step=step
                 )
                 wait_for(logs, "reload.succeeded", version=f"step-{step}")
+            wait_for(logs, "cache.pruned", name="step-2")  # the collector's next turn
             assert placed_names(daemon.config.checkpoint_root) == ["step-3"]
         finally:
             daemon.request_stop()
@@ -580,8 +590,10 @@ def test_daemon_with_keep_0_still_loads_what_it_downloaded(tmp_path, bucket: Buc
 
 
 def test_retention_never_deletes_a_downloaded_checkpoint_waiting_to_load(tmp_path, make_checkpoint):
+    from vllm_reloader.service.leases import Collector
     from vllm_reloader.service.reloader import Reloader
     from vllm_reloader.service.state import Loaded
+    from vllm_reloader.sources.content import ContentStore
 
     cfg = config.Config(
         source=config.SourceConfig(path="s3://bucket/runs"),
@@ -589,7 +601,8 @@ def test_retention_never_deletes_a_downloaded_checkpoint_waiting_to_load(tmp_pat
         state=config.StateConfig(dir=tmp_path / "state", keep=0),
     )
     cfg.state.dir.mkdir()
-    reloader = Reloader(cfg, lambda _message: None, {"http://engine.test": FakeEngine().client()})
+    records = open_records(cfg.state.dir)
+    reloader = Reloader(cfg, lambda _message: None, records, {"http://engine.test": FakeEngine().client()})
     for step in (1, 2, 3):
         make_checkpoint(f"step-{step}", step=step, root=cfg.checkpoint_root)
     for name in ("step-1", "step-2", "step-3"):
@@ -598,8 +611,11 @@ def test_retention_never_deletes_a_downloaded_checkpoint_waiting_to_load(tmp_pat
     serving = Loaded(
         name="step-2", version="step-2", path=str(cfg.checkpoint_root / "step-2"), since=0, step=2
     )
-    reloader.set_serving(reloader.canary, serving, good=serving)
-    reloader.prune_cache()
+    reloader.loads.set_serving(reloader.canary, serving, good=serving)
+    content = ContentStore(records, structlog.get_logger())
+    for step in (1, 2, 3):
+        content.made(cfg.checkpoint_root / f"step-{step}", "download")
+    Collector(content, structlog.get_logger()).turn(reloader, None, cfg.state.keep)
     assert sorted(p.name for p in cfg.checkpoint_root.iterdir()) == ["step-2", "step-3"]
 
 

@@ -5,6 +5,7 @@ the store takes it (moto on loopback, the object-store thread's own loop)."""
 from __future__ import annotations
 
 import json
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -12,11 +13,13 @@ from pathlib import Path
 import pytest
 import structlog
 
+from tests.support.records import open_records
 from tests.support.store_fixtures import WRITABLE, Bucket
 from vllm_reloader import config
 from vllm_reloader.checkpoint import order
 from vllm_reloader.errors import SourceError
-from vllm_reloader.sources import unwritten, verdicts
+from vllm_reloader.records import RecordStore
+from vllm_reloader.sources import verdicts
 from vllm_reloader.sources.objstore import Store
 from vllm_reloader.sources.remote import RemoteSource
 
@@ -42,14 +45,22 @@ class Refusing:
         monkeypatch.setattr(Store, "create", create)
 
 
-def source(tmp_path: Path, bucket: Bucket) -> tuple[RemoteSource, list[int]]:
+def source(
+    tmp_path: Path, bucket: Bucket, records: RecordStore | None = None
+) -> tuple[RemoteSource, list[int]]:
     cfg = config.Config(
         source=config.SourceConfig(path=bucket.url, poll_interval=0.02),
         engine=config.EngineConfig(url="http://127.0.0.1:1"),
         state=config.StateConfig(dir=tmp_path / "state", min_free_bytes=0),
         rollout=config.RolloutConfig(host="canary-1"),
     )
-    found = RemoteSource(cfg, serving=lambda: order.NOTHING, rejected=dict, post=lambda _: None)
+    found = RemoteSource(
+        cfg,
+        serving=lambda: order.NOTHING,
+        rejected=dict,
+        post=lambda _: None,
+        records=records or open_records(cfg.state.dir),
+    )
     polls = [0]
     poll = found.poll
 
@@ -111,10 +122,10 @@ def test_verdict_write_refusals_keep_the_order_and_log_again_only_for_a_new_reas
     store = Refusing(monkeypatch)
     store.refuse.set()
     fleet = verdicts.Fleet(
-        Store(bucket.url), config.RolloutConfig(host="h"), structlog.get_logger(), tmp_path
+        Store(bucket.url), config.RolloutConfig(host="h"), structlog.get_logger(), open_records(tmp_path)
     )
     for name in ("step-1", "step-2"):
-        fleet.queued.put(verdicts.Verdict(name, name, FP, False, "canary: NaN"))
+        fleet.add(verdicts.Verdict(name, name, FP, False, "canary: NaN"))
     refusing = Store.create
     with structlog.testing.capture_logs() as logs:
         for _ in range(4):
@@ -171,8 +182,11 @@ def test_verdict_refused_before_a_sighup_is_taken_by_the_new_source(tmp_path, bu
     old, _ = source(tmp_path / "old", bucket)
     old.record(verdicts.Verdict("step-4", "step-4", FP, True, None))
     assert old.fleet.write_queued() is False
-    new, _ = source(tmp_path / "new", bucket)  # a SIGHUP that moved the state dir
-    new.fleet.adopt(old.fleet.pending())
+    (tmp_path / "new" / "state").mkdir(parents=True)
+    old.fleet.records.move_to(tmp_path / "new" / "state")  # a SIGHUP that moved the state dir
+    old.fleet.detach()
+    new, _ = source(tmp_path / "new", bucket, records=old.fleet.records)
+    assert new.fleet.pending() == old.fleet.pending() != []
     refusing.refuse.clear()
     assert new.fleet.write_queued() is True
     assert bucket.listed() == [f"step-4/_verdicts/{FP}/canary-1.passed.json"]
@@ -196,55 +210,35 @@ def test_verdict_source_replaced_by_a_sighup_writes_nothing_more(tmp_path, bucke
     old, _ = source(tmp_path, bucket)
     old.record(verdicts.Verdict("step-7", "step-7", FP, True, None))
     assert old.fleet.write_queued() is False
-    handed = old.fleet.detach()
+    old.fleet.detach()
     refusing.refuse.clear()
     assert old.fleet.write_queued() is True and bucket.listed() == [], "a stuck old thread writes nothing"
-    new, _ = source(tmp_path, bucket)
-    new.fleet.adopt(handed)
+    new, _ = source(tmp_path, bucket, records=old.fleet.records)
     assert new.fleet.write_queued() is True
     assert bucket.listed() == [f"step-7/_verdicts/{FP}/canary-1.passed.json"]
 
 
-def test_verdict_file_unreadable_at_start_is_never_replaced_and_its_verdicts_are_written_once_read(
+def test_verdict_the_record_store_failed_to_keep_is_held_in_memory_and_written_all_the_same(
     tmp_path, bucket: Bucket, monkeypatch
 ):
-    """An EIO on `unwritten-verdicts.json` at start is not an empty queue: the file keeps what it
-    holds while it cannot be read, and its verdicts are written, first, once it can."""
-    refusing = queued_then_stopped(tmp_path, bucket, monkeypatch)
-    kept = tmp_path / "state" / unwritten.NAME
-    held = kept.read_bytes()
-    failing = threading.Event()
-    failing.set()
-    real = Path.read_bytes
+    """A full disk under the record store: the verdict is not lost while the daemon runs."""
+    found, _ = source(tmp_path, bucket)
+    records = found.fleet.records
+    real = records._write
 
-    def read_bytes(path: Path) -> bytes:
-        if path == kept and failing.is_set():
-            raise OSError(5, "Input/output error")
-        return real(path)
+    def full(sql: str, args: object = ()) -> None:
+        if sql.startswith("INSERT INTO outbox"):
+            with records.transaction():
+                records._write_failed(sqlite3.OperationalError("database or disk is full"))
+            return
+        real(sql, args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(records, "_write", full)
     with structlog.testing.capture_logs() as logs:
-        second, _ = source(tmp_path, bucket)
-        second.record(verdicts.Verdict("step-4", "step-4", "2" * 64, True, None))
-        assert second.fleet.write_queued() is False
-    assert [e["event"] for e in logs if e["event"] == "verdict.queue_failed"] == ["verdict.queue_failed"]
-    assert real(kept) == held, "not replaced while it could not be read"
-    failing.clear()
-    refusing.refuse.clear()
-    assert second.fleet.write_queued() is True
-    assert bucket.listed() == [
-        f"step-3/_verdicts/{FP}/canary-1.failed.json",
-        f"step-4/_verdicts/{'2' * 64}/canary-1.passed.json",
-    ]
-    assert second.fleet.pending() == [] and json.loads(real(kept)) == []
-
-
-def test_verdict_file_that_is_not_a_list_of_verdicts_is_set_aside_not_lost(tmp_path, bucket: Bucket):
-    kept = tmp_path / "state" / unwritten.NAME
-    kept.parent.mkdir(parents=True)
-    kept.write_bytes(b'[{"name": 1}]')
-    with structlog.testing.capture_logs() as logs:
-        found, _ = source(tmp_path, bucket)
+        found.record(verdicts.Verdict("step-8", "step-8", FP, True, None))
+    assert [e["event"] for e in logs] == ["state.write_failed"]
+    assert found.fleet.pending() == [verdicts.Verdict("step-8", "step-8", FP, True, None)]
+    monkeypatch.undo()
+    assert found.fleet.write_queued() is True
+    assert bucket.listed() == [f"step-8/_verdicts/{FP}/canary-1.passed.json"]
     assert found.fleet.pending() == []
-    assert (kept.parent / f"{unwritten.NAME}.corrupt").read_bytes() == b'[{"name": 1}]'
-    assert "set aside" in next(e["reason"] for e in logs if e["event"] == "verdict.queue_failed")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import structlog
 
+from tests.support.records import open_records
 from tests.support.store_fixtures import WRITABLE, Bucket
 from vllm_reloader.config import RolloutConfig
 from vllm_reloader.sources import verdicts
@@ -26,13 +27,14 @@ def store(bucket: Bucket) -> Store:
 
 
 def fleet(store: Store, state: Path, host: str = "canary-1", **rollout: object) -> verdicts.Fleet:
-    return verdicts.Fleet(store, RolloutConfig(host=host, **rollout), structlog.get_logger(), state)  # type: ignore[arg-type]
+    rollout_config = RolloutConfig(host=host, **rollout)  # type: ignore[arg-type]
+    return verdicts.Fleet(store, rollout_config, structlog.get_logger(), open_records(state))
 
 
 def write(
     f: verdicts.Fleet, name: str, fingerprint: str, passed: bool, reason: str | None = None
 ) -> list[dict]:
-    f.queued.put(verdicts.Verdict(name, name, fingerprint, passed, reason))
+    f.add(verdicts.Verdict(name, name, fingerprint, passed, reason))
     with structlog.testing.capture_logs() as logs:
         f.write_queued()
     return logs
@@ -115,7 +117,7 @@ def test_verdict_instance_id_is_kept_across_restarts(bucket: Bucket, store: Stor
 
 def test_verdict_pass_without_a_canary_is_not_recorded(bucket: Bucket, store: Store, tmp_path: Path):
     f = fleet(store, tmp_path)
-    f.queued.put(verdicts.Verdict("step-1", "step-1", FP1, True, canary=False))
+    f.add(verdicts.Verdict("step-1", "step-1", FP1, True, canary=False))
     with structlog.testing.capture_logs() as logs:
         f.write_queued()
     assert [(e["event"], e["log_level"]) for e in logs] == [("verdict.not_recorded", "warning")]

@@ -4,21 +4,19 @@ and what the gate compares an adapter with."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ..checkpoint import adapter as adapter_gate
 from ..checkpoint.adapter import AdapterVersion
 from ..checkpoint.layout import Layout
-from ..durable import replace_atomically
 from ..engine.serverinfo import Lora
-from ..retry import Policy
+from ..records import RecordStore
+from ..retry import Backoff, Policy
 from ..sources.adapters import AdapterGated
+from ..sources.content import all_of
 
-STATE_NAME = "adapters.json"
+KIND = "adapter_rejected"
 MAX_REJECTED = 1000
 DTYPES = ("F16", "BF16", "F32")
 DEFAULT_RANK = 16
@@ -73,42 +71,21 @@ class Adapter:
 
 
 class Rejections:
-    """Contents a canary's answers proved broken, by fingerprint, in `<state.dir>/adapters.json`:
-    a restart never loads one again. A failure that blames nothing is never written here."""
+    """Contents a canary's answers proved broken, by fingerprint, in the record store (kind
+    `adapter_rejected`): a restart never loads one again. A failure that blames nothing is
+    never written here."""
 
-    def __init__(self, directory: Path, log: Any) -> None:
-        self.path, self.log = directory / STATE_NAME, log
-        self.reasons = self._load()
+    def __init__(self, records: RecordStore) -> None:
+        self.records = records
+        found = records.all(KIND)
+        self.reasons = {str(k): str(v) for k, v in found.items()}
 
     def __contains__(self, fingerprint: object) -> bool:
         return fingerprint in self.reasons
 
     def remember(self, fingerprint: str, reason: str) -> None:
         self.reasons = dict(list({**self.reasons, fingerprint: reason}.items())[-MAX_REJECTED:])
-        self._save()
-
-    def moved_to(self, directory: Path) -> Rejections:
-        """A SIGHUP's new state dir: what is rejected goes there too (a restart forgets none)."""
-        moved = Rejections(directory, self.log)
-        moved.reasons = dict(list({**self.reasons, **moved.reasons}.items())[-MAX_REJECTED:])
-        moved._save()
-        return moved
-
-    def _save(self) -> None:
-        try:
-            replace_atomically(self.path, json.dumps({"rejected": self.reasons}, indent=1).encode())
-        except OSError as exc:  # said; the rejection holds until a restart
-            self.log.error("state.write_failed", path=str(self.path), reason=str(exc))
-
-    def _load(self) -> dict[str, str]:
-        try:
-            found = json.loads(self.path.read_bytes()).get("rejected", {})
-            return {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError, AttributeError, RecursionError) as exc:
-            self.log.error("state.unreadable", path=str(self.path), reason=str(exc)[:300])
-            return {}
+        self.records.replace(KIND, self.reasons)  # whole: one the disk failed is written again
 
 
 class GateView:
@@ -143,20 +120,79 @@ class GateView:
         return self.served
 
 
-def in_use(
-    held: Mapping[str, Mapping[str, str] | None],
-    known: Mapping[str, Adapter],
-    versions: Mapping[str, AdapterVersion],
-) -> tuple[frozenset[str] | None, frozenset[tuple[str, str]]]:
-    """The copies no one may remove (None while an engine's holdings are unknown: none is),
-    and what the engines hold as (adapter, fingerprint), for the fleet's recalls. `held`:
-    engine URL → adapter → copy path."""
-    holdings = [(name, path) for paths in held.values() for name, path in (paths or {}).items()]
-    holds = frozenset((n, v.fingerprint) for n, p in holdings if (v := versions.get(p)))
-    if not held or any(paths is None for paths in held.values()):
-        return None, holds
-    kept = {path for _, path in holdings}
-    for state in known.values():
-        newest = state.newest.copy if state.newest else None
-        kept |= {v.path for v in (state.good, state.before, newest) if v}
-    return frozenset(kept), holds
+FAILED_KIND = "adapter_failed_here"
+
+
+@dataclass
+class Holdings:
+    """What the adapter loop knows between its turns, shared by its planner (`adapters`) and
+    what it makes of the engines' answers (`adapter_answers`); the loop's alone."""
+
+    rejected: Rejections
+    records: RecordStore
+    backoff: Backoff[tuple[str, str]] = field(default_factory=lambda: Backoff(RETRY))
+    """(engine URL, content or `RECHECK`) → the wait after a failure that blamed nothing."""
+    known: dict[str, Adapter] = field(default_factory=dict)
+    listed: frozenset[str] | None = None
+    held: dict[str, dict[str, str] | None] = field(default_factory=dict)
+    """Engine URL → adapter → the copy it was loaded from (None: ask the engine)."""
+    checked: dict[str, str | None] = field(default_factory=dict)
+    """Engine URL → the base weights (fingerprint) its adapters were last canaried with."""
+    versions: dict[str, AdapterVersion] = field(default_factory=dict)
+    """Copy path → the version it holds (what an engine reports is mapped back by it)."""
+    unfit: set[tuple[str, str | None]] = field(default_factory=set)
+    """(adapter fingerprint, base fingerprint) whose canary failed on that base."""
+    failed_here: dict[str, str] = field(default_factory=dict)
+    """`url fingerprint` → why: a content whose canary failed on that engine, which may still
+    hold it (its way back failed): out of rotation while it does. In the record store."""
+
+    def __post_init__(self) -> None:
+        self.failed_here = {str(k): str(v) for k, v in self.records.all(FAILED_KIND).items()}
+
+    def failed(self, url: str, fingerprint: str, reason: str) -> None:
+        self.failed_here[f"{url} {fingerprint}"] = reason
+        self.records.replace(FAILED_KIND, self.failed_here)
+
+    def refused(self, base: str | None) -> set[str]:
+        """Contents no engine loads on base weights `base`."""
+        return set(self.rejected.reasons) | {fp for fp, on in self.unfit if on == base}
+
+    def why_refused(self, url: str, version: AdapterVersion, base: str | None) -> str | None:
+        """Why an engine holding `version` must not take traffic (None: nothing)."""
+        if version.fingerprint in self.rejected:
+            return f"rejected: {self.rejected.reasons[version.fingerprint]}"
+        if (version.fingerprint, base) in self.unfit:
+            return "its canary failed on these base weights"
+        return self.failed_here.get(f"{url} {version.fingerprint}")
+
+    def tidy(self) -> None:
+        """Forget failures here of what the engine no longer holds (known to hold)."""
+        kept = {
+            key: why
+            for key, why in self.failed_here.items()
+            if (held := self.held.get(key.split(" ", 1)[0], {})) is None
+            or any(
+                (v := self.versions.get(p)) and v.fingerprint == key.split(" ", 1)[1] for p in held.values()
+            )
+        }
+        if kept != self.failed_here:
+            self.failed_here = kept
+            self.records.replace(FAILED_KIND, kept)
+
+    def holds(self) -> frozenset[tuple[str, str]]:
+        """What the engines hold as (adapter, fingerprint), for the fleet's recalls."""
+        holdings = [(name, path) for paths in self.held.values() for name, path in (paths or {}).items()]
+        return frozenset((n, v.fingerprint) for n, p in holdings if (v := self.versions.get(p)))
+
+    def leases(self) -> dict[str, set[str]]:
+        """The copies held, by holder: each engine's, and each adapter's versions (newest, last
+        good, the one before); an engine whose holdings are not known holds every copy."""
+        found: dict[str, set[str]] = {"adapters": set()}
+        if not self.held:  # no engine asked yet
+            found["engines:adapters"] = {all_of("adapter")}
+        for url, paths in self.held.items():
+            found[f"engine:{url}:adapters"] = {all_of("adapter")} if paths is None else set(paths.values())
+        for state in self.known.values():
+            newest = state.newest.copy if state.newest else None
+            found["adapters"] |= {v.path for v in (state.good, state.before, newest) if v}
+        return found

@@ -22,10 +22,8 @@ from ..checkpoint.files import SINGLE_NAME
 from ..checkpoint.manifest import MANIFEST_NAME
 from ..checkpoint.manifest import parse as parse_manifest
 from ..errors import ManifestInvalid, NotJSONYet
-from ..sources import cache, local
-from .jobs import Job
+from ..sources import local
 from .reconcile import version_of
-from .served import Served
 from .state import Loaded, Rejection
 
 
@@ -185,21 +183,6 @@ class Catalog:
             )
         }
 
-    def prune_downloads(self, engines: Sequence[Served], jobs: Sequence[Job], keep: int) -> None:
-        """Delete downloaded checkpoints but what any engine serves, its last good one (nobody
-        else deletes from the cache, so it stays intact: enough to roll back to), its startup
-        model, those in flight, the pinned one, those that would load next, and the `keep`
-        newest others."""
-        protected = {job.candidate.name for job in jobs} | ({self.pinned} if self.pinned else set())
-        for served in engines:
-            protected |= {loaded.name for loaded in (served.serving, served.last_good) if loaded is not None}
-            if served.startup and Path(served.startup).parent == self.root:
-                protected.add(Path(served.startup).name)
-            protected |= self.newer_than(served.serving_key())
-        for name in cache.prune(self.root, cache.to_prune(self.candidates, protected=protected, keep=keep)):
-            self.forget(name)
-            self.log.info("cache.pruned", name=order.base_name(name), directory=name, kept=sorted(protected))
-
     def note_pending(self, name: str, reason: str, **details: object) -> None:
         if self.pending.get(name) != reason:
             self.pending[name] = reason
@@ -277,6 +260,13 @@ class Catalog:
         if candidate.fingerprint == rejection.fingerprint:
             return rejection.reason
         return REASON_NOT_KEPT if candidate.fingerprint in rejection.earlier else None
+
+    def rejection_of_content(self, base: str, fingerprint: str) -> str:
+        """Why a content of the name `base` was rejected (it is: `rejected_fingerprints`)."""
+        rejection = self.rejected.get(base)
+        if rejection is None:
+            return "rejected"
+        return rejection.reason if rejection.fingerprint == fingerprint else REASON_NOT_KEPT
 
     def _forget_rejection(self, candidate: order.Candidate) -> None:
         """The name's other rejected contents stay rejected."""

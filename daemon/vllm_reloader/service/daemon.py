@@ -1,11 +1,12 @@
 """The process: one loop that acts, and everything else only enqueues.
 
-Watchdog callbacks, signal handlers, the object-store thread, the control server and the
-reload thread put a typed message (`messages`) on `inbox` (gunicorn's arbiter does the
-same with its signal queue); the loop drains it, dispatches each message with `match`,
-lets the reloader act, and keeps systemd informed:
-READY once the engine answered, STATUS as things change, WATCHDOG only while the watcher
-and the reload worker are alive, RELOADING on SIGHUP, STOPPING on SIGTERM.
+Watchdog callbacks, signal handlers, the object-store thread, the control server and each
+engine's thread put a typed message (`messages`) on `inbox` (gunicorn's arbiter does the same
+with its signal queue); the loop drains it, dispatches each message with `match`, then takes
+its turn: the reloader and the adapters look at what they own, each engine's scheduler settles
+its rotation and starts what is owed, the content store's collector runs. It keeps systemd
+informed: READY once the engine answered, STATUS as things change, WATCHDOG only while every
+thread is alive, RELOADING on SIGHUP, STOPPING on SIGTERM.
 """
 
 from __future__ import annotations
@@ -19,16 +20,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
-from .. import config as config_mod
 from .. import log
 from ..config import Config
 from ..engine.client import EngineClient
-from ..errors import ConfigError
+from ..errors import ConfigError, StateError
+from ..records import RecordStore
+from ..sources.content import ContentStore
 from ..sources.convert import Converter
 from ..sources.verdicts import WAITING_FOR_CANARIES, Verdict
-from . import parts, paths, status
+from . import parts, paths, reconfigure, status
 from .adapters import Adapters
 from .control import ControlServer, Request
+from .leases import Collector
 from .messages import (
     AdapterGated,
     AdapterRecalled,
@@ -47,6 +50,7 @@ from .messages import (
     SignalReceived,
     WarmedUp,
 )
+from .migrate import migrate
 from .notify import Notifier
 from .readiness import ReadinessServer
 from .reloader import Reloader
@@ -55,7 +59,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class Helper(Protocol):
-    """The lifecycle every thread the loop relies on shares."""
+    """The lifecycle every thread the loop relies on shares (`threads.Worker`)."""
 
     def start(self) -> None: ...
     def close(self) -> None: ...
@@ -73,19 +77,28 @@ class Daemon:
         notifier: Notifier | None = None,
     ) -> None:
         """`client`: the (first) engine's client; `clients`: by URL, for several (tests)."""
-        self.config = config
-        self.config_path = config_path
+        self.config, self.config_path = config, config_path
         self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self.stop = threading.Event()
         self.log = log.get()
         self.notifier = notifier or Notifier()
-        paths.check(config)  # before the state file is read or the socket made
+        paths.check(config)  # before the record store is read or the socket made
+        self.records = RecordStore.open(config.state.dir, self.log)
+        migrate(self.records, config.state.dir, self.log)
+        self.content = ContentStore(self.records, self.log)
+        self.content.forget_holders()  # of a process gone: each owner declares its own anew
+        if config.source.remote:
+            self.content.adopt(config.checkpoint_root, "*", "download")
+        if config.adapters.root is not None:
+            self.content.adopt(config.adapter_copies, "*/*@*", "adapter")
         made = {config.engine.url: client} if client else {}
-        self.reloader = Reloader(config, self.inbox.put, {**made, **(clients or {})}, self._verdict)
+        clients = {**made, **(clients or {})}
+        self.reloader = Reloader(config, self.inbox.put, self.records, clients, self._verdict)
         self.watcher = parts.watcher(config, self.inbox.put)
         self.remote = parts.remote(config, self.reloader, self.inbox.put)
-        self.converter = Converter(config.source, config.checkpoint_root, self.inbox.put)
-        self.adapters = Adapters(config, self.log, self.reloader.metrics, self.inbox.put)
+        self.converter = Converter(config.source, config.checkpoint_root, self.inbox.put, self.content)
+        self.adapters = Adapters(config, self.log, self.reloader.metrics, self.inbox.put, self.records)
+        self.collector = Collector(self.content, self.log)
         self.control = ControlServer(
             config.control_socket, lambda request, reply: self.inbox.put(ControlRequest(request, reply))
         )
@@ -111,18 +124,20 @@ class Daemon:
 
     # -- the loop ---------------------------------------------------------------------------
 
+    def helpers(self) -> dict[str, Helper | None]:
+        return {
+            "watcher": self.watcher, "reload thread": self.reloader, "control socket": self.control,
+            "converter": self.converter, "object store": self.remote, "adapters": self.adapters,
+        }  # fmt: skip
+
     def run(self) -> int:
         """Until SIGTERM (exit 0), or until a helper thread dies (exit 1: systemd restarts us)."""
         if self.config.metrics.listen:
             self.reloader.metrics.serve(self.config.metrics.listen)
         readiness = self._serve_readiness()
-        self.watcher.start()
-        if self.remote:
-            self.remote.start()
-        self.converter.start()
-        self.adapters.start()
-        self.reloader.start()
-        self.control.start()
+        for helper in self.helpers().values():
+            if helper is not None:
+                helper.start()
         self.log.info(
             "daemon.started",
             root=str(self.config.checkpoint_root),
@@ -143,13 +158,11 @@ class Daemon:
         finally:
             if readiness is not None:
                 readiness.close()
-            self.control.close()
-            if self.remote:
-                self.remote.close()
-            self.converter.close()
-            self.adapters.close()
-            self.watcher.close()
-            self.reloader.close()
+            for name, helper in self.helpers().items():
+                if helper is not None and name != "reload thread":
+                    helper.close()
+            self.reloader.close()  # last: the engines are resumed if a resume is owed
+            self.records.close()
             serving = self.reloader.served.serving
             self.log.info(
                 "daemon.stopped", serving=serving.version if serving else None, exit_code=self.exit_code
@@ -172,24 +185,22 @@ class Daemon:
         )
         return server
 
-    def _dead_helper(self) -> str | None:
-        helpers: dict[str, Helper | None] = {
-            "watcher": self.watcher, "reload thread": self.reloader, "control socket": self.control,
-            "converter": self.converter, "object store": self.remote, "adapters": self.adapters,
-        }  # fmt: skip
-        return next((name for name, h in helpers.items() if h is not None and not h.is_alive()), None)
-
     def _step(self) -> None:
-        if (dead := self._dead_helper()) is not None:  # never run on with a silent dead thread
+        dead = next((name for name, h in self.helpers().items() if h is not None and not h.is_alive()), None)
+        if dead is not None:  # never run on with a silent dead thread
             self.log.error("daemon.thread_died", thread=dead, action="exiting 1; systemd restarts the daemon")
             self.exit_code = 1
             self.stop.set()
             return
+        engines, loads = self.reloader.engines, self.reloader.loads
         if self.stopping_since is None:
             self.reloader.tick()
-            engines = self.reloader.engines
-            self.adapters.tick(engines.all, lambda url: engines.drain(self.config.readiness, url))
-        elif not self._under_way() or time.monotonic() > self._stop_deadline():
+            self.adapters.prepare(engines.all)
+        engines.settle((loads.standing, self.adapters.standing))  # before new work: what ended is out
+        if self.stopping_since is None:
+            engines.tick((loads.plan, self.adapters.plan), self.config, loads.reconciled)
+            self.collector.turn(self.reloader, self.adapters, self.config.state.keep)
+        elif not engines.under_way() or time.monotonic() > self._stop_deadline():
             self.stop.set()
             return
         self._tell_systemd()
@@ -227,7 +238,8 @@ class Daemon:
             self.next_observe = time.monotonic() + 1.0
             self.reloader.metrics.observe(snapshot, time.time())
         now = status.line(snapshot)
-        if not self.ready_sent and self.reloader.served.reconciled and self.reloader.canary.idle:
+        engines = self.reloader.engines
+        if not self.ready_sent and self.reloader.served.reconciled and engines.idle(engines.canary):
             self.ready_sent = True
             self.notifier.ready(now)
         elif not self.ready_sent:
@@ -240,9 +252,7 @@ class Daemon:
 
     def _healthy(self) -> bool:
         """Alive means the helper threads run, and no reload outlives what its timeouts allow."""
-        if not (self.watcher.is_alive() and self.reloader.is_alive() and self.control.is_alive()):
-            return False
-        if self.remote and not self.remote.is_alive():
+        if not all(h.is_alive() for h in self.helpers().values() if h is not None):
             return False
         now = time.monotonic()
         return all(now - job.started < self._reload_budget() for job in self.reloader.jobs())
@@ -251,10 +261,6 @@ class Daemon:
         engine, readiness = self.config.engine, self.config.readiness
         drain = readiness.grace + readiness.drain_timeout if readiness.drain else 0.0
         return drain + engine.pause_timeout + 2 * engine.reload_timeout + 6 * engine.timeout
-
-    def _under_way(self) -> bool:
-        """A reload, or an engine's thread on a question (an adapter's swap, canary, rollback)."""
-        return bool(self.reloader.jobs()) or self.adapters.under_way(self.reloader.engines.all)
 
     def _stop_deadline(self) -> float:
         assert self.stopping_since is not None
@@ -284,11 +290,11 @@ class Daemon:
         match message:
             case FileChanged(name):
                 self.reloader.changed(name)
-            case ShardWritten(path):  # read it now, beside the writer, not once the manifest lands
-                self.reloader.gater.prehash(Path(path), self.config.gate.max_tensors)
             case Downloaded(name):  # gate it now, not at the watcher's pace
                 self.reloader.changed(name)
-                self.reloader.prune_cache()
+                self.collector.soon()
+            case ShardWritten(path):  # read it now, beside the writer, not once the manifest lands
+                self.reloader.gater.prehash(Path(path), self.config.gate.max_tensors)
             case Rejected(name, version, reason, fingerprint, check):
                 self.reloader.rejected_remotely(name, version, reason, fingerprint, check)
             case Recalled(name, version, fingerprint, reason):  # a follower goes back from it
@@ -297,16 +303,15 @@ class Daemon:
                 self.reloader.gated(message, act=self.stopping_since is None)
                 if self.stopping_since is None and not message.cancelled:
                     self.converter.consider(gating.candidate.name, gating.directory, verdict)
-            case Answered() as answer:  # stopping: nothing new is started on what it says
-                self.reloader.engines.answered(answer, act=self.stopping_since is None)
             case ReloadFinished(outcome):
-                self.reloader.finished(outcome)
+                self.reloader.engines.finished(outcome)
+                self.collector.soon()
+            case Answered() | WarmedUp():  # applied while stopping too: nothing new starts from one
+                self.reloader.engines.finished(message)
             case Reverified():
                 self.reloader.reverified(message)
             case AdapterGated() | AdaptersListed() | AdapterRecalled():
                 self.adapters.found(message)
-            case WarmedUp(seconds, problem, engine):
-                self.log.info("engine.warmed", ms=round(seconds * 1000, 1), problem=problem, engine=engine)
             case ControlRequest(request, reply):
                 if reply.claim():  # else its client was told it timed out: do nothing
                     reply.put(self._control(request))
@@ -347,40 +352,22 @@ class Daemon:
         """SIGHUP: build a new config, validate it, swap it in with one assignment; keep the
         old one (and say so) when the new one is invalid."""
         self.notifier.reloading()
+        old = self.config
         try:
-            if self.config_path is None:
-                raise ConfigError("no config file to re-read")
-            new = config_mod.load(self.config_path)
-            paths.check(new)  # the directories it names, as at start, whatever changed
-        except ConfigError as exc:
+            rebuilt = reconfigure.prepare(self.config_path, old, self.reloader, self.inbox.put, self.records)
+        except (ConfigError, StateError) as exc:
             self.log.error("config.invalid", reason=str(exc), kept="previous config")
             self.notifier.ready(status.line(self.snapshot()))
             return
-        old = self.config
-        if old.log.priority_prefix:  # set on the command line, which a SIGHUP does not re-read
-            new = new.model_copy(update={"log": new.log.model_copy(update={"priority_prefix": True})})
+        new = rebuilt.config
         if new.log != old.log:
             log.configure(new.log.level, new.log.format, priority_prefix=new.log.priority_prefix)
-        if new.source != old.source or new.state != old.state or new.rollout != old.rollout:
-            remote = watcher = None
-            try:  # every new part built (the watcher started) before any old one is closed
-                remote = parts.remote(new, self.reloader, self.inbox.put)
-                watcher = parts.watcher(new, self.inbox.put)
-                watcher.start()  # inotify watches are made here: a limit or a permission fails now
-            except (ConfigError, OSError) as exc:
-                if watcher is not None:
-                    watcher.close()
-                reason = str(exc) if isinstance(exc, ConfigError) else f"source: {exc.strerror or exc}"
-                self.log.error("config.invalid", reason=reason, kept="previous config")
-                self.notifier.ready(status.line(self.snapshot()))
-                return
+        if rebuilt.sources:
             if self.remote:
+                self.remote.fleet.detach()  # the new one writes what is left in the outbox
                 self.remote.close()
-                if remote is not None:  # none is lost, whatever the new state dir
-                    remote.fleet.adopt(self.remote.fleet.detach())
-            self.remote = remote
             self.watcher.close()
-            self.watcher = watcher
+            self.remote, self.watcher = rebuilt.remote, rebuilt.watcher or self.watcher
             if self.remote:
                 self.remote.start()
         self.config = new

@@ -95,18 +95,9 @@ class Recalls:
             if any(self.covers(g) for g in served.good):
                 served.good = tuple(g for g in served.good if not self.covers(g))
 
-    def tend(
-        self,
-        engines: Iterable[Engine],
-        room: int,
-        now: float,
-        target: Callable[[Engine, str], Loaded | None],
-        load: Callable[[Engine, Loaded], None],
-        rejected: Mapping[str, Collection[str]],
-    ) -> None:
-        """Each idle engine serving a recalled content loads its rollback target (`target`,
-        skipping what it serves), as `room` allows; one with none left keeps serving it. A
-        content this host rejected is recalled too (a restart forgets recalls under way)."""
+    def note(self, engines: Iterable[Engine], rejected: Mapping[str, Collection[str]]) -> None:
+        """A content this host rejected is recalled too where an engine serves it (a restart
+        forgets recalls under way); none stays a rollback target or what followers converge to."""
         engines = list(engines)
         for engine in engines:
             loaded = engine.served.serving
@@ -118,40 +109,44 @@ class Recalls:
                         "rejected on this host",
                         "rejected",
                     )
-        if not self.failed:
-            return
-        self._forget(engines)
-        for engine in engines:
-            serving, served = engine.served.serving, engine.served
-            if room <= 0:
-                return
-            if serving is None or not self.covers(serving) or not engine.idle:
-                continue
-            content = (engine.url, order.base_name(serving.name), serving.fingerprint)
-            if not served.reconciled or now < engine.retry_at_follow or content in self.stuck:
-                continue
-            _, reason, cause = self.failed[content[1:]]
-            back = target(engine, serving.name)
-            fields = {
-                "version": serving.version,
-                "fingerprint": serving.fingerprint,
-                "reason": reason,
-                "cause": cause,
-            }
-            if back is None:
-                self.stuck.add(content)
-                engine.log.error(
-                    "fleet.recalled",
-                    to_version=None,
-                    action="keeps serving it: nothing to go back to",
-                    **fields,
-                )
-                continue
-            engine.log.warning("fleet.recalled", to_version=back.version, **fields)
-            load(engine, back)
-            if engine.in_flight is not None:
-                self.rolling[engine.url] = (engine.in_flight, serving.version, reason, cause)
-            room -= 1
+        if self.failed:
+            self._forget(engines)
+
+    def plan(
+        self, engine: Engine, now: float, target: Callable[[Engine, str], Loaded | None]
+    ) -> Loaded | None:
+        """What an engine serving a recalled content loads back (`target`, skipping what it
+        serves); None when it serves none, waits its backoff, or has nothing to go back to
+        (then it keeps serving it, said once)."""
+        serving, served = engine.served.serving, engine.served
+        if serving is None or not self.covers(serving) or not served.reconciled:
+            return None
+        content = (engine.url, order.base_name(serving.name), serving.fingerprint)
+        if now < engine.retry_at_follow() or content in self.stuck:
+            return None
+        _, reason, cause = self.failed[content[1:]]
+        back = target(engine, serving.name)
+        fields = {
+            "version": serving.version,
+            "fingerprint": serving.fingerprint,
+            "reason": reason,
+            "cause": cause,
+        }
+        if back is None:
+            self.stuck.add(content)
+            engine.log.error(
+                "fleet.recalled", to_version=None, action="keeps serving it: nothing to go back to", **fields
+            )
+            return None
+        engine.log.warning("fleet.recalled", to_version=back.version, **fields)
+        return back
+
+    def started(self, engine: Engine, job: Job) -> None:
+        """The load back from a recalled content began: said as a rollback when it ends."""
+        serving = engine.served.serving
+        assert serving is not None
+        _, reason, cause = self.failed[(order.base_name(serving.name), serving.fingerprint)]
+        self.rolling[engine.url] = (job, serving.version, reason, cause)
 
     def finished(self, url: str, job: Job, decision: Decision) -> Decision:
         """A rollback this made came back: said as one (`reload.rolled_back`, cause `fleet`)."""

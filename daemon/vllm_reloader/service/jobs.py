@@ -70,7 +70,7 @@ class Outcome:
     """The files were no longer the verified ones before the pause: nothing was sent."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class WarmUp:
     """One canary probe right after the engine is reconciled: its first logprobs request
     costs seconds (CPU), paid here rather than by the first canary, with clients queued
@@ -84,7 +84,7 @@ class WarmUp:
 class WarmedUp:
     seconds: float
     problem: str | None
-    engine: str = ""
+    warmup: WarmUp | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,7 +120,7 @@ class ReloadWorker(QueueWorker[Job | WarmUp | Ask]):
         started = time.perf_counter()
         if isinstance(job, WarmUp):
             problem = canary.probe(job.client, job.canary)
-            self._post(WarmedUp(time.perf_counter() - started, problem, job.client.url))
+            self._post(WarmedUp(time.perf_counter() - started, problem, job))
             return
         if isinstance(job, Ask):
             self._post(_answer(job))

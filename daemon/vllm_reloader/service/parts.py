@@ -32,6 +32,7 @@ def remote(config: Config, reloader: Reloader, post: Callable[[Message], None]) 
         serving=lambda: reloader.served.serving_key(),  # the canary engine of now
         rejected=reloader.catalog.rejected_fingerprints,
         post=post,
+        records=reloader.records,
         verified_files=reloader.gater.cache,
         serves=lambda: fleet.served_content(reloader.engines),  # a follower checks them
     )

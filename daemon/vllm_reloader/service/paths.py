@@ -54,16 +54,16 @@ def apart(config: Config) -> None:
     root for a version (copies inside a root would be loaded as adapters; the cache set to the
     copies would be pruned as adapters). `state.dir` may hold the stores (their defaults do), but
     may be neither one of them nor inside one."""
-    places: list[tuple[str, Path]] = []
+    places: list[tuple[tuple[str, str], Path]] = []
     if not config.source.remote:
-        places.append(("source.path", Path(config.source.path)))
+        places.append((("source", "path"), Path(config.source.path)))
     else:
-        places.append(("state.cache_dir", config.cache_dir))
+        places.append((("state", "cache_dir"), config.cache_dir))
     if config.adapters.root is not None:
         if not config.adapters.remote:
-            places.append(("adapters.root", Path(config.adapters.root)))
-        places.append(("adapters.copies", config.adapter_copies))
-    resolved = [(key, path, path.resolve()) for key, path in places]
+            places.append((("adapters", "root"), Path(config.adapters.root)))
+        places.append((("adapters", "copies"), config.adapter_copies))
+    resolved = [(".".join(key), path, path.resolve()) for key, path in places]  # (see `directory`)
     state = config.state.dir.resolve()
     for n, (key, path, real) in enumerate(resolved):
         for other, other_path, other_real in resolved[n + 1 :]:

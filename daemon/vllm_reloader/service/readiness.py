@@ -6,8 +6,9 @@ out of rotation for a reload (`[readiness] drain`: taken out before its pause, b
 after its canary passed or its rollback). HAProxy's `option httpchk GET /ready/0`, Envoy's
 health checks and a Kubernetes readiness probe all read it.
 
-`Rotation` is written by the loop (an engine up or down) and by the engines' reload threads
-(drain), and read by the server's threads; one lock, no I/O under it.
+`Rotation` is written by the engines' schedulers: on the loop by their one rule (`settle`),
+and by a drain on an engine's thread (out before its pause); the server's threads read it. One
+lock, no I/O under it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -71,6 +72,15 @@ class Rotation:
             if url in self._out:
                 self._out[url][cause] = why
             return True
+
+    def settle(self, url: str, causes: Mapping[str, str], *, drained: bool) -> None:
+        """Why `url` is out now, whole (the scheduler's one rule): a drain under way stays
+        (`drained`), one whose work ended goes."""
+        with self._lock:
+            if url not in self._out:  # one a SIGHUP dropped
+                return
+            drain = self._out[url].get("drain") if drained else None
+            self._out[url] = {**causes, **({"drain": drain} if drain is not None else {})}
 
     def put_back(self, url: str, cause: str) -> None:
         with self._lock:

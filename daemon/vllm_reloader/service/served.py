@@ -38,7 +38,6 @@ class Served:
     serving: Loaded | None
     good: tuple[Loaded, ...]
     """Passed their canary, newest first."""
-    retry_initial: float
     startup: str | None = None
     baseline: layout.Layout | None = None
     sleep_capable: bool = False
@@ -47,35 +46,27 @@ class Served:
     """False until the daemon learned what the engine serves (and again after it went away)."""
     up: bool = False
     down_reason: str | None = None
-    """Why it did not answer the last time (shown in `status` until it answers)."""
+    """Why it did not answer the last time, or why it is reconciled again (shown in `status`
+    and the readiness answer until it answers)."""
     resume_owed: bool = False
-    """A resume failed: the loop retries it until the engine answers."""
-    retry_at: float = 0.0
+    """A resume failed, or it was found paused: its scheduler resumes it."""
     next_check: float = 0.0
     """When an idle daemon next asks the engine for its weight version."""
     last_reload: dict[str, Any] | None = None
-    backoff: float = 0.0
     rollback: str | None = None
     """The version a failed reload would go back to now; None: nothing intact is left."""
     lora: Lora | None = UNSAID
     """How it serves LoRA adapters (None: it does not)."""
-
-    def __post_init__(self) -> None:
-        self.backoff = self.retry_initial
 
     def serving_key(self) -> order.Serving:
         """What a candidate must replace: the serving checkpoint's place in the order and content
         (nothing, when it is outside the root: all are newer)."""
         return serving_of(self.serving, self.good)
 
-    def went_down(self, now: float, retry_max: float, reason: str | None = None) -> float:
-        """It did not answer: reconcile again after a backoff; returns the wait."""
+    def went_down(self, reason: str) -> None:
+        """It did not answer: reconciled again once it does."""
         self.reconciled = self.up = False
         self.down_reason = reason
-        wait = self.backoff
-        self.retry_at = now + wait
-        self.backoff = min(self.backoff * 2, retry_max)
-        return wait
 
     def answered(self, now: float, check_interval: float) -> None:
         self.up, self.down_reason = True, None

@@ -1,25 +1,21 @@
-"""What the daemon knows across restarts, in one JSON file written atomically.
+"""What the daemon knows of checkpoints across restarts, kept in the record store.
 
 The engine is the source of truth for what is loaded (`reconcile` in the daemon asks it);
-this file adds what the engine cannot tell: which directory a version came from, the
-last good checkpoint to fall back on, and which candidates were rejected and why, so a
-restarted daemon neither reloads needlessly nor retries a known-bad checkpoint.
+the record store adds what the engine cannot tell: which directory a version came from, the
+last good checkpoints to fall back on, which contents were rejected and why, and an
+operator's pin, so a restarted daemon neither reloads needlessly nor retries a known-bad
+checkpoint.
 """
 
 from __future__ import annotations
 
-import os
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from ..durable import replace_atomically
-from ..errors import StateError
-
-STATE_NAME = "state.json"
+from .. import log as log_mod
+from ..records import NAME, RecordStore
 
 
 class Loaded(BaseModel):
@@ -78,111 +74,64 @@ class State(BaseModel):
         return self.good[0] if self.good else None
 
 
-READ_TRIES = 4
-READ_BACKOFF_S = 0.1
-"""A state file that cannot be read (EACCES, EIO: a disk or mount having a bad moment) is
-tried `READ_TRIES` times, waiting 0.1, 0.2, 0.4 s between; then the daemon does not start."""
-_pause = threading.Event()  # never set: its wait() is an interruptible sleep
+class StateRecords:
+    """The checkpoints' facts in the record store (kinds `checkpoint` and `rejected`), written
+    whole in one transaction whenever they change: a write the disk failed is written again
+    at the next change (`records.failed`)."""
 
+    def __init__(self, records: RecordStore, log: Any) -> None:
+        self.records, self.log = records, log
+        self.saved = self._load()
 
-def load(directory: Path, log: Any = None) -> State:
-    """The saved state. A file that cannot be read, after retries, or that was read and cannot
-    be parsed, is `StateError` (see `load_or_set_aside`, which tells the two apart)."""
-    path = directory / STATE_NAME
-    data = _read(path, log)
-    return State() if data is None else _parse(path, data)
-
-
-def _read(path: Path, log: Any) -> bytes | None:
-    """The file's bytes; None when there is none. An error reading it is retried and logged
-    (`state.unreadable`), and in the end a `StateError`: never taken for a corrupt file."""
-    wait = READ_BACKOFF_S
-    for attempt in range(1, READ_TRIES + 1):
+    def _load(self) -> State:
+        checkpoint = self.records.all("checkpoint")
+        rejected: dict[str, Any] = {}
+        for name, value in self.records.all("rejected").items():
+            try:
+                rejected[name] = Rejection.model_validate(value)
+            except ValidationError as exc:
+                self._corrupt(f"rejected {name!r}", exc)
         try:
-            return path.read_bytes()
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            reason = exc.strerror or str(exc) or type(exc).__name__
-            last = attempt == READ_TRIES
-            if log is not None:
-                log.warning(
-                    "state.unreadable",
-                    path=str(path),
-                    reason=reason,
-                    attempt=attempt,
-                    of=READ_TRIES,
-                    retry_in_s=None if last else round(wait, 3),
-                )
-            if last:
-                raise StateError(
-                    f"cannot read {path}: {reason} ({READ_TRIES} tries); not starting without the "
-                    "pin, rollback history and rejections it holds (exit 1: systemd tries again)"
-                ) from exc
-            _pause.wait(wait)
-            wait *= 2
-    raise AssertionError("unreachable")  # pragma: no cover
+            return State.model_validate({**checkpoint, "rejected": rejected})
+        except ValidationError as exc:  # the history and pin: started afresh from the engines
+            self._corrupt("checkpoint", exc)
+            return State(rejected=rejected)
 
-
-def _parse(path: Path, data: bytes) -> State:
-    try:
-        return State.model_validate_json(data)
-    except ValidationError as exc:
-        raise StateError(f"{path} is corrupt: {exc.errors()[0]['msg']}") from exc
-
-
-def load_or_set_aside(directory: Path, log: Any = None) -> tuple[State, Path | None]:
-    """The saved state, or — when the file was read and is corrupt — an empty one, the corrupt
-    file moved to `state.json.corrupt-<time>` (returned) so the daemon starts and asks the
-    engine: under systemd a daemon that refused to start would restart forever. A file that
-    cannot be read is no proof of corruption: `StateError`, nothing moved (the caller stops)."""
-    path = directory / STATE_NAME
-    data = _read(path, log)
-    if data is None:
-        return State(), None
-    try:
-        return _parse(path, data), None
-    except StateError:
-        aside = path.with_name(f"{STATE_NAME}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
-        try:
-            os.replace(path, aside)
-        except OSError as exc:
-            raise StateError(f"{path} is corrupt and cannot be moved aside: {exc.strerror}") from exc
-        return State(), aside
-
-
-def save(directory: Path, state: State) -> None:
-    """Written atomically: a crash leaves the old file or the new one, never half. `directory`
-    is never created: the daemon checked it at start (`paths.check`), and one gone since is
-    said (`state.write_failed`), not silently made again."""
-    try:
-        replace_atomically(directory / STATE_NAME, state.model_dump_json(indent=1).encode())
-    except OSError as exc:
-        raise StateError(f"cannot write {directory / STATE_NAME}: {exc.strerror}") from exc
-
-
-class StateFile:
-    """The state file, written whenever what it holds changes. A disk that fails a write is
-    logged, not fatal: the engine, not this file, is the truth about what is served. One that
-    fails the first read is `StateError` (after retries): starting empty would forget the pin,
-    the rollback targets and the rejected versions, and load a known-bad one again."""
-
-    def __init__(self, directory: Path, log: Any) -> None:
-        self.directory, self.log = directory, log
-        self.saved, aside = load_or_set_aside(directory, log)
-        if aside is not None:
-            log.error(
-                "state.corrupt",
-                moved_to=str(aside),
-                reason="not valid state: starting from what the engine says",
-            )
+    def _corrupt(self, what: str, exc: ValidationError) -> None:
+        self.log.error(
+            "state.corrupt",
+            path=str(self.records.path),
+            moved_to=None,
+            reason=f"{what}: {exc.errors()[0]['msg']}: dropped; starting from what the engine says",
+        )
 
     def save(self, new: State) -> None:
         if new == self.saved:
             return
-        try:
-            save(self.directory, new)
-        except StateError as exc:
-            self.log.error("state.write_failed", reason=str(exc))
-            return
-        self.saved = new
+        facts = new.model_dump(mode="json")
+        with self.records.transaction():
+            self.records.replace("checkpoint", {key: facts[key] for key in ("serving", "good", "pinned")})
+            self.records.replace("rejected", facts["rejected"])
+        if not self.records.failed:
+            self.saved = new
+
+
+def load(directory: Path) -> State:
+    """The checkpoints' facts in `directory`'s record store (`State()` when it has none), read
+    as they are (while a daemon may be writing)."""
+    if not (directory / NAME).exists():
+        return State()
+    records = RecordStore.reader(directory, log_mod.get())
+    try:
+        return StateRecords(records, log_mod.get()).saved
+    finally:
+        records.close()
+
+
+def save(directory: Path, state: State) -> None:
+    """Written into `directory`'s record store (tests, and tools that prepare a host)."""
+    records = RecordStore.open(directory, log_mod.get())
+    try:
+        StateRecords(records, log_mod.get()).save(state)
+    finally:
+        records.close()

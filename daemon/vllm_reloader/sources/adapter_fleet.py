@@ -13,18 +13,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 from ..checkpoint.adapter import AdapterVersion
 from ..config import RolloutConfig
+from ..records import RecordStore
 from . import verdicts
 from .objstore import Store
 from .verdicts import Verdict
 
 Clearance = Literal["cleared", "waiting", "failed"]
-STATE_DIR = "adapter-fleet"
-"""In the state dir: this fleet's unwritten verdicts and instance id (the checkpoints' are apart)."""
+FLEET = "adapters"
+"""This fleet's name in the record store (its outbox and instance id; the checkpoints' are apart)."""
 
 
 @dataclass(frozen=True)
@@ -38,11 +38,9 @@ class AdapterRecalled:
 
 
 class AdapterFleet:
-    def __init__(self, store: Store, rollout: RolloutConfig, log: Any, state_dir: Path) -> None:
-        directory = state_dir / STATE_DIR
-        directory.mkdir(mode=0o700, exist_ok=True)
+    def __init__(self, store: Store, rollout: RolloutConfig, log: Any, records: RecordStore) -> None:
         self.follower = rollout.role == "follow"
-        self.records = verdicts.Fleet(store, rollout, log, directory)
+        self.records = verdicts.Fleet(store, rollout, log, records, FLEET)
 
     def record(self, verdict: Verdict) -> None:
         """From the loop: kept on disk at once, written by the source's thread at its next look."""

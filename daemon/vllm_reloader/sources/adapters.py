@@ -33,10 +33,12 @@ from ..checkpoint import adapter
 from ..checkpoint.adapter import CONFIG_NAME, MAX_CONFIG_BYTES, WEIGHTS_NAME, AdapterVerdict, AdapterVersion
 from ..checkpoint.conventions import name_step
 from ..errors import SourceError
+from ..records import RecordStore
 from ..retry import Backoff, Policy
 from ..threads import LoopWorker
 from .adapter_fleet import AdapterFleet, AdapterRecalled
 from .adapter_trees import CHUNK, Content, Tree
+from .content import SOURCE_HOLDER, ContentStore
 from .local import name_too_long
 
 STAGING_PREFIX = ".copying-"
@@ -100,21 +102,24 @@ class AdapterSource(LoopWorker):
         copies: Path,
         interval: float,
         served: Callable[[], adapter.Served | None],
-        keep: Callable[[], frozenset[str] | None],
         post: Callable[[Found], None],
+        records: RecordStore,
         forgotten: queue.SimpleQueue[tuple[str, str]] | None = None,
         fleet: AdapterFleet | None = None,
         holds: Callable[[], Iterable[tuple[str, str]]] = tuple,
     ) -> None:
         """`served`: what the gate compares with (None: not known yet, nothing is judged);
-        `keep`: copies in use (None: not known yet, none is removed); `forgotten`: versions
-        (adapter, version) to judge again, their copy found changed; `fleet`: the records of
-        the hosts reading the same store; `holds`: what engines here hold, as (adapter,
-        fingerprint), for a follower's recalls."""
+        `records`: where each copy is registered (`content`: the loop collects the copies no
+        one holds); `forgotten`: versions (adapter, version) to judge again, their copy found
+        changed; `fleet`: the records of the hosts reading the same store; `holds`: what
+        engines here hold, as (adapter, fingerprint), for a follower's recalls."""
         super().__init__("adapters", interval)
         self.tree, self.copies = tree, copies
         self.fleet, self._holds = fleet, holds
-        self._served, self._keep, self._post = served, keep, post
+        self._served, self._post = served, post
+        self.content = ContentStore(records, log.get())
+        self.holder = f"{SOURCE_HOLDER}adapters:{next(_instances)}"
+        """Its lease: the copies of the versions it judged in their present content."""
         self._forgotten = forgotten or queue.SimpleQueue()
         self._judged: dict[tuple[str, str], _Judged] = {}
         self._retry: Backoff[tuple[str, str]] = Backoff(RETRY)
@@ -193,7 +198,7 @@ class AdapterSource(LoopWorker):
         if listing:  # an empty root (a mount not there) unloads nothing
             self._tell(AdaptersListed(frozenset(listing)))
         self._said = self._holding  # a warning not said again this look has stopped holding
-        self._prune()
+        self._hold()
 
     def _consider(self, name: str, version: str, content: Content | None, served: adapter.Served) -> None:
         judged = self._judged.get((name, version))
@@ -231,7 +236,7 @@ class AdapterSource(LoopWorker):
         message = AdapterGated(name, version, order, verdict, copy if verdict.status == "ready" else None)
         follow = self.fleet is not None and self.fleet.follower and message.copy is not None
         waiting = message if follow else None  # a follower's: posted once the canary hosts pass it
-        kept = copy.path if copy else None
+        kept = copy.path if copy and verdict.status == "ready" else None
         self._judged[key] = _Judged(content, served, kept, None, waiting)
         if not follow:
             self._tell(message)
@@ -282,10 +287,8 @@ class AdapterSource(LoopWorker):
         made = self._copy(name, version, content)
         if made is None:  # written meanwhile: the next look takes it
             return adapter.AdapterVerdict("pending", "written while copied"), None
-        copy, new = made
-        verdict = adapter.check(Path(copy.path), served)
-        if verdict.status != "ready" and new and copy.path not in (self._keep() or ()):
-            shutil.rmtree(copy.path, ignore_errors=True)  # pending: taken again; rejected: kept out
+        copy, _ = made
+        verdict = adapter.check(Path(copy.path), served)  # not ready: not held, so collected
         return verdict, AdapterVersion(name, version, copy.path, copy.fingerprint, verdict.files, copy.size)
 
     def _too_long(self, name: str, version: str) -> str | None:
@@ -312,14 +315,17 @@ class AdapterSource(LoopWorker):
             digest = hasher.hexdigest()
             final = self.copies / name / f"{version}@{digest[:DIGEST_CHARS]}"
             self._ensure(final.parent)
-            if final.is_dir() and _digest(final) == digest:  # the same bytes: an engine may read it
-                return AdapterVersion(name, version, str(final), digest, size=size), False
-            if final.exists():  # not what its name says (changed by hand): never loaded again
-                shutil.rmtree(final)
-            os.rename(staging, final)
+            new = not (final.is_dir() and _digest(final) == digest)  # the same bytes: an engine may read it
+            if new:
+                if final.exists():  # not what its name says (changed by hand): never loaded again
+                    shutil.rmtree(final)
+                os.rename(staging, final)
+            with self.content.records.transaction():  # one of the daemon's copies, held from now
+                self.content.made(final, "adapter")
+                self._hold(also=final)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        return AdapterVersion(name, version, str(final), digest, size=size), True
+        return AdapterVersion(name, version, str(final), digest, size=size), new
 
     def _ensure(self, directory: Path) -> None:
         if not directory.is_dir():
@@ -333,17 +339,14 @@ class AdapterSource(LoopWorker):
                 if not leftover.name.startswith(f"{STAGING_PREFIX}{os.getpid()}-"):
                     shutil.rmtree(leftover, ignore_errors=True)
 
-    def _prune(self) -> None:
-        """Copies neither in use nor of a version's present content (kept: unknown use)."""
-        keep = self._keep()
-        if keep is None:
+    def _hold(self, also: Path | None = None) -> None:
+        """Its lease, whole: the copies of what it judged ready in its present content (and one
+        just placed), so none is collected while a version still lists it. Not once closed: a
+        source replaced by a SIGHUP lets go of its copies to the new one."""
+        if self.stop.is_set():
+            self.content.hold(self.holder, ())
             return
-        current = {j.copy for j in self._judged.values() if j.copy}
-        for copy in self.copies.glob("*/*@*"):
-            if self.stop.is_set():  # replaced: the new source's copies are not this one's to judge
-                return
-            if str(copy) not in keep and str(copy) not in current:
-                shutil.rmtree(copy, ignore_errors=True)
+        self.content.hold(self.holder, [*(j.copy for j in self._judged.values() if j.copy), also])
 
 
 def _hasher() -> blake3.blake3:

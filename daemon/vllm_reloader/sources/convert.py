@@ -42,6 +42,7 @@ from ..checkpoint.manifest import MANIFEST_NAME, Manifest, ManifestFile, dumps, 
 from ..config import API_KEY_ENV, SourceConfig
 from ..retry import Backoff, Policy
 from ..threads import QueueWorker
+from .content import ContentStore
 from .download import place
 from .remote import Downloaded, Rejected
 
@@ -78,10 +79,15 @@ class Converter(QueueWorker[Conversion]):
     `Downloaded` (placed: gate it) or `Rejected` to the loop."""
 
     def __init__(
-        self, source: SourceConfig, root: Path, post: Callable[[Downloaded | Rejected], None]
+        self,
+        source: SourceConfig,
+        root: Path,
+        post: Callable[[Downloaded | Rejected], None],
+        content: ContentStore | None = None,
     ) -> None:
+        """`content`: where each output is registered (collected once nothing holds it)."""
         super().__init__("converter")
-        self.source, self.root, self.post = source, root, post
+        self.source, self.root, self.post, self.content = source, root, post, content
         self.asked: set[tuple[str, str]] = set()
         """(name, fingerprint) submitted since start: each content is converted once..."""
         self.backoff: Backoff[tuple[str, str]] = Backoff(RETRY)
@@ -203,7 +209,9 @@ class Converter(QueueWorker[Conversion]):
         manifest = Manifest(
             format_version=1, version=job.name, step=name_step(job.name), files=tuple(entries)
         )
-        place(output, job.root, job.placed, (MANIFEST_NAME, dumps(manifest)))
+        placed, _ = place(output, job.root, job.placed, (MANIFEST_NAME, dumps(manifest)))
+        if self.content is not None:
+            self.content.made(placed, "converted")
         self.log.info("checkpoint.converted", name=job.name, placed=job.placed, bytes=manifest.total_bytes)
         return Downloaded(job.placed)
 

@@ -29,8 +29,10 @@ from ..checkpoint.files import SINGLE_NAME
 from ..checkpoint.manifest import Manifest
 from ..config import Config
 from ..errors import Cancelled, DownloadError, SourceError
+from ..records import RecordStore
 from ..threads import LoopWorker
 from . import cache, local, verdicts
+from .content import ContentStore
 from .download import Fetched, Plan, fetch, remember
 from .listing import BucketListing, HeaderSizes, by_head, judge
 from .objstore import Object, Store
@@ -86,6 +88,7 @@ class RemoteSource(LoopWorker):
         serving: Callable[[], order.Serving],
         rejected: Callable[[], Mapping[str, Collection[str]]],
         post: Callable[[SourceEvent], None],
+        records: RecordStore,
         store: Store | None = None,
         verified_files: verified.Cache | None = None,
         serves: Callable[[], Iterable[tuple[str, str]]] = tuple,
@@ -118,7 +121,8 @@ class RemoteSource(LoopWorker):
         self.problems: dict[str, str] = {}
         """What is failing now, by kind ("source", "download"), in the store's words (`status`)."""
         self.said: dict[str, str] = {}  # ...and its one-line reason, logged once, not per poll
-        self.fleet = verdicts.Fleet(self.store, config.rollout, self.log, config.state.dir)
+        self.fleet = verdicts.Fleet(self.store, config.rollout, self.log, records)
+        self.content = ContentStore(records, self.log)
 
     @property
     def staging_root(self) -> Path:
@@ -357,6 +361,7 @@ class RemoteSource(LoopWorker):
         if seen.signal == SINGLE_NAME and fetched.path is not None:
             cache.backdate(fetched.path, max(o.modified for o in objects.values()))
         if fetched.path is not None:
+            self.content.made(fetched.path, "download")  # collected once nothing holds it
             remember(self.verified_files, fetched)
         self.log.info(
             "download.finished",

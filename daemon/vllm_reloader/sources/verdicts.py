@@ -19,36 +19,44 @@ decided by the store, as lakehouse table formats commit through it.
 
 from __future__ import annotations
 
-import queue
 import re
 import secrets
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .. import __version__
 from ..config import RolloutConfig
-from ..durable import replace_atomically
-from ..errors import SourceError
+from ..errors import SourceError, StateError
+from ..records import RecordStore
 from .objstore import Object, Store, Unlistable
-from .unwritten import UnwrittenFile
-from .unwritten import Verdict as Verdict
 
 VERDICTS_DIR = "_verdicts"
 MAX_RECORD_BYTES = 64 << 10
 """A record is a few hundred bytes; a larger object there is not one of ours (not read)."""
-INSTANCE_NAME = "instance-id"
-"""In the state dir: this daemon's random id, written in its records."""
 WAITING_FOR_CANARIES = "waiting for canary hosts"
 """How a follower's pending reason starts while canary hosts have not cleared the version
 (the metrics tell this wait from one on the checkpoint's files by it)."""
 _INSTANCE = re.compile(r"[0-9a-f]{32}")
 _FINGERPRINT = re.compile(r"[0-9a-f]{16,128}")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What this canary host made of one content of a version."""
+
+    name: str
+    """The version's name in the store (never a placed directory's `NAME@…`)."""
+    version: str
+    fingerprint: str
+    passed: bool
+    reason: str | None = None
+    canary: bool = True
+    """Whether its canary ran: a pass without one is not recorded (it proves only a load)."""
 
 
 class Record(BaseModel):
@@ -81,24 +89,15 @@ def is_record(rest: str) -> bool:
     return rest.startswith(f"{VERDICTS_DIR}/")
 
 
-def instance_id(directory: Path) -> tuple[str, str | None]:
-    """This daemon's instance id, kept in `directory` (made once); and why it could not be kept."""
-    path = directory / INSTANCE_NAME
-    try:
-        text = path.read_text(encoding="ascii", errors="replace").strip()
-        if _INSTANCE.fullmatch(text):
-            return text, None
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        return secrets.token_hex(16), f"cannot read {path}: {exc.strerror}"
+def instance_id(records: RecordStore, fleet: str) -> str:
+    """This daemon's instance id for `fleet`, kept in the record store (made once)."""
+    key = f"instance:{fleet}"
+    found = records.meta(key)
+    if found is not None and _INSTANCE.fullmatch(found):
+        return found
     new = secrets.token_hex(16)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        replace_atomically(path, new.encode())
-    except OSError as exc:
-        return new, f"cannot write {path}: {exc.strerror}"
-    return new, None
+    records.set_meta(key, new)
+    return new
 
 
 @dataclass(frozen=True)
@@ -173,19 +172,19 @@ class Reader:
 
 class Fleet:
     """This host's side of the fleet: its verdicts to write (a canary host), the others'
-    records to read (a follower). Used on the object-store thread only."""
+    records to read (a follower). The verdicts wait in the record store's outbox (`fleet`: this
+    fleet's name there) until the object store takes them, so a restart or a SIGHUP loses none;
+    written and read on the object-store thread only."""
 
-    def __init__(self, store: Store, rollout: RolloutConfig, log: Any, state_dir: Path) -> None:
-        self.store, self.rollout, self.log, self.state_dir = store, rollout, log, state_dir
+    def __init__(
+        self, store: Store, rollout: RolloutConfig, log: Any, records: RecordStore, fleet: str = "checkpoints"
+    ) -> None:
+        self.store, self.rollout, self.log, self.records, self.fleet = store, rollout, log, records, fleet
         self.reader = Reader(store)
-        self.queued: queue.SimpleQueue[Verdict] = queue.SimpleQueue()
-        """Verdicts handed over without being kept on disk (tests); `add` keeps them."""
         self._lock = threading.Lock()
         self._detached = False
-        self.kept = UnwrittenFile(state_dir, log)
-        self.unwritten: list[Verdict] = self.kept.load()
-        """Not written yet, in order (the store refused the first, or none was tried): kept in
-        the state dir (`unwritten-verdicts.json`), so a restart or a SIGHUP loses none."""
+        self.unkept: list[Verdict] = []
+        """Verdicts the record store could not take (a full disk): kept here, added again first."""
         self.write_problem: str | None = None
         """Why the store refused the last write (logged once per reason); None while writes work."""
         self._written_since = 0
@@ -196,37 +195,36 @@ class Fleet:
     @property
     def instance(self) -> str:
         if self._instance is None:
-            self._instance, problem = instance_id(self.state_dir)
-            if problem is not None:
-                self.log.warning("verdict.instance_unsaved", reason=problem, instance=self._instance)
+            self._instance = instance_id(self.records, self.fleet)
         return self._instance
 
     def add(self, verdict: Verdict) -> None:
-        """From the loop: a verdict to write, kept on disk before it is tried."""
-        with self._lock:
-            self.unwritten.append(verdict)
-            self._save()
+        """From the loop: a verdict to write, kept in the record store before it is tried (in the
+        transaction of the decision it tells, where the caller has one)."""
+        self.records.outbox_add(self.fleet, asdict(verdict))
+        if self.records.failed:
+            with self._lock:
+                self.unkept.append(verdict)
 
     def pending(self) -> list[Verdict]:
-        with self._lock:
-            return list(self.unwritten)
+        """The verdicts not written yet, oldest first."""
+        return [verdict for _, verdict in self._queue()]
 
-    def detach(self) -> list[Verdict]:
-        """A SIGHUP replaced this source: what it has not written, for the new one; from now on it
-        writes neither records nor the file (its thread may still be stuck in a call)."""
+    def _queue(self) -> list[tuple[int | None, Verdict]]:
+        """The verdicts not written yet, oldest first, with their ids in the outbox (None: kept
+        in memory only). A record store that cannot be read now gives those in memory."""
         with self._lock:
-            self._detached = True
-            return list(self.unwritten)
+            unkept = [(None, v) for v in self.unkept]
+        try:
+            queued = [(row, Verdict(**found)) for row, found in self.records.outbox(self.fleet)]
+        except (StateError, TypeError):
+            queued = []
+        return [*queued, *unkept]
 
-    def adopt(self, verdicts: Iterable[Verdict]) -> None:
-        """A SIGHUP's new source takes the old one's unwritten verdicts (its state dir may differ)."""
-        with self._lock:
-            self.unwritten += [v for v in verdicts if v not in self.unwritten]
-            self._save()
-
-    def _save(self) -> None:
-        if not self._detached:
-            self.kept.save(self.unwritten)
+    def detach(self) -> None:
+        """A SIGHUP replaced this source: from now on it writes no record (its thread may still
+        be stuck in a call); the new one writes what is left in the outbox."""
+        self._detached = True
 
     def write_queued(self, **fields: Any) -> bool:
         """Write every queued verdict, in order; whether none is left. One the store refuses
@@ -234,16 +232,12 @@ class Fleet:
         condition, not the source's (a read-only policy on `_verdicts/` leaves listing
         working): `verdict.write_failed` once per reason (with `fields`, e.g. `retry_in_s`),
         then one `verdict.written` once the store took every one of them."""
-        while True:
-            try:
-                self.add(self.queued.get_nowait())
-            except queue.Empty:
-                break
         with self._lock:
-            if self.kept.unread:  # a file not read at start: its verdicts go first, once it reads
-                self.unwritten = self.kept.merge(self.unwritten)
-                self._save()
-        while not self._detached and (v := next(iter(self.pending()), None)) is not None:
+            unkept, self.unkept = self.unkept, []
+        for verdict in unkept:  # the record store failed them before: kept there first now
+            self.add(verdict)
+        while not self._detached and (first := next(iter(self._queue()), None)) is not None:
+            row, v = first
             try:
                 self._write(v)
             except SourceError as exc:
@@ -252,9 +246,13 @@ class Fleet:
             except Exception as exc:  # a verdict no retry can write: dropped, never a crash loop
                 why = f"cannot be written: {type(exc).__name__}: {exc}"[:500]
                 self.log.error("verdict.write_failed", reason=why, name=v.name, dropped=True)
-            with self._lock:
-                self.unwritten.remove(v)
-                self._save()
+            if row is None:
+                with self._lock:
+                    self.unkept.remove(v)
+            else:
+                self.records.outbox_done(row)
+                if self.records.failed:  # written, and still in the outbox: written again later
+                    return False
             self._written_since += 1
         if self.write_problem is not None:
             self.log.info("verdict.written", verdicts=self._written_since, previous_reason=self.write_problem)
@@ -274,7 +272,7 @@ class Fleet:
             name=v.name,
             version=v.version,
             fingerprint=v.fingerprint,
-            queued=len(self.unwritten),
+            queued=len(self.pending()),
             **fields,
         )
 

@@ -1,0 +1,40 @@
+"""The record store for tests that build the daemon's parts by hand (the daemon opens its own)."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+import structlog
+
+from vllm_reloader.records import RecordStore
+
+
+def open_records(directory: Path) -> RecordStore:
+    """The record store in `directory` (made, as an operator makes `state.dir`)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    return RecordStore.open(directory, structlog.get_logger())
+
+
+class FullDisk:
+    """The store's connection on a full disk: every write fails as SQLite says it then."""
+
+    def __init__(self, real: sqlite3.Connection) -> None:
+        self.real = real
+        self.refused = 0
+
+    def execute(self, sql: str, args: object = ()) -> object:
+        if sql.split(None, 1)[0].upper() in ("INSERT", "DELETE", "UPDATE"):
+            self.refused += 1
+            raise sqlite3.OperationalError("database or disk is full")
+        return self.real.execute(sql, args)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.real, name)
+
+
+def fill_disk(records: RecordStore, monkeypatch: pytest.MonkeyPatch) -> FullDisk:
+    full = FullDisk(records._db)
+    monkeypatch.setattr(records, "_db", full)
+    return full
