@@ -18,7 +18,11 @@ None. Standard library only: the extension imports it inside vLLM.
     load_start     (in the engine, each rank) a load asked for, the model not touched yet
     mid_load       (in the engine) the first run of tensors handed to the model
     after_reload   new weights loaded, version still `reloading:<v>`, files not compared yet
-    after_version  version set and the engine resumed, the state file not yet written
+    after_version  version set and the engine resumed, the record store not yet written
+    recorded_<d>   decision <d> committed to the record store, nothing acted on or said yet:
+                   `rejection` (a content rejected), `serving` (a reload's outcome: what the
+                   engine serves, its history, a rejection, an engine kept out), `pin`,
+                   `adapter_failure` (an adapter's failed canary: rejected, or kept out)
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ NAMES = (
     "mid_load",
     "after_reload",
     "after_version",
+    "recorded_rejection",
+    "recorded_serving",
+    "recorded_pin",
+    "recorded_adapter_failure",
 )
 KILL_NAMES = ("before_pause", "after_pause", "after_reload", "after_version")
 """Where the restart tests kill the daemon (mid_load is the engine's, after_gate holds only)."""

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from . import failpoints
 from .errors import StateError
 
 NAME = "records.sqlite"
@@ -167,11 +168,13 @@ class RecordStore:
     # -- one decision, one transaction -------------------------------------------------------
 
     @contextlib.contextmanager
-    def transaction(self) -> Iterator[None]:
+    def transaction(self, decision: str | None = None) -> Iterator[None]:
         """Everything written inside lands together or not at all. A failing write is said
         (`state.write_failed`) and the whole transaction rolled back; the caller goes on (the
         engines, not this file, are the truth about what is served) and writes its facts
-        again at its next change. An exception inside rolls it back and goes on up."""
+        again at its next change. An exception inside rolls it back and goes on up.
+        `decision`: its name, for the failpoint `recorded_<decision>` once it is committed (the
+        restart tests kill the daemon there: recorded, nothing acted on or said)."""
         with self._lock:
             outer = self._depth == 0
             if outer:
@@ -189,6 +192,8 @@ class RecordStore:
                 self._depth -= 1
                 if outer:
                     self._end(aborted)
+                    if decision is not None and not (aborted or self._failed):
+                        failpoints.hit(f"recorded_{decision}")
                     actions, self._after = self._after, []
                     for action in actions:
                         action()

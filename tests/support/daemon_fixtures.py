@@ -22,8 +22,15 @@ def follower_url(index: int) -> str:
 
 
 class Running:
-    def __init__(self, daemon: Daemon, logs: list[dict]) -> None:
-        self.daemon, self.logs = daemon, logs
+    def __init__(self, daemon: Daemon, logs: list[dict], thread: threading.Thread | None = None) -> None:
+        self.daemon, self.logs, self.thread = daemon, logs, thread
+
+    def stop(self) -> None:
+        """SIGTERM, as systemd sends it, and wait until the daemon stopped."""
+        self.daemon.request_stop()
+        if self.thread is not None:
+            self.thread.join(timeout=10)
+            assert not self.thread.is_alive()
 
     def events(self, event: str, /, **fields: object) -> list[dict]:
         return events_in(self.logs, event, **fields)
@@ -67,6 +74,7 @@ def start(tmp_path: Path, root: Path) -> Iterator[Callable[..., Running]]:
         max_unavailable: int = 1,
         timeout: float = 10.0,
         readiness: config.ReadinessConfig | None = None,
+        adapters: config.AdaptersConfig | None = None,
         **source: object,
     ) -> Running:
         """`followers`: more engines on the host, at `follower_url(i)`; a URL (a real socket, such
@@ -89,6 +97,7 @@ def start(tmp_path: Path, root: Path) -> Iterator[Callable[..., Running]]:
             state=config.StateConfig(dir=tmp_path / "state"),
             canary=canary or config.CanaryConfig(),
             readiness=readiness or config.ReadinessConfig(),
+            adapters=adapters or config.AdaptersConfig(),
         )
         fakes = [engine, *followers]
         clients = {
@@ -100,7 +109,7 @@ def start(tmp_path: Path, root: Path) -> Iterator[Callable[..., Running]]:
         thread = threading.Thread(target=daemon.run, daemon=True)
         threads.append((daemon, thread))
         thread.start()
-        return Running(daemon, logs)
+        return Running(daemon, logs, thread)
 
     with structlog.testing.capture_logs() as logs:
         yield run

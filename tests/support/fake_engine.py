@@ -74,6 +74,14 @@ class FakeEngine:
         """Answer `{"success": false}` to every reset (blocks held by a KV transfer)."""
         self.requests_running, self.requests_waiting = 3, 2
         """What `/metrics` reports as in flight."""
+        self.loras: dict[str, str] = {}
+        """LoRA adapters loaded at run time: name → the path each was loaded from."""
+        self.lora_refused: set[str] = set()
+        """Adapter paths whose load the engine refuses (an error answer, nothing loaded)."""
+        self.during_lora: Callable[[str], None] | None = None
+        """Runs while an adapter is being loaded (what the test sees mid-swap)."""
+        self.during_completion: Callable[[str | None], None] | None = None
+        """Runs as a completion is asked of a model (None: the base), before it answers."""
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -150,8 +158,24 @@ class FakeEngine:
                 text=f'# HELP x\nvllm:num_requests_running{{model_name="tiny"}} {self.requests_running}.0\n'
                 f'vllm:num_requests_waiting{{model_name="tiny"}} {self.requests_waiting}.0\n',
             )
+        if path == "/v1/load_lora_adapter":
+            if body["lora_path"] in self.lora_refused:
+                return httpx.Response(400, json={"error": {"message": "refused"}})
+            if self.during_lora is not None:
+                self.during_lora(body["lora_path"])
+            self.loras[body["lora_name"]] = body["lora_path"]
+            return httpx.Response(200, text="Success")
+        if path == "/v1/unload_lora_adapter":
+            self.loras.pop(body["lora_name"], None)
+            return httpx.Response(200, text="Success")
+        if path == "/v1/models":
+            adapters = [{"id": n, "root": p, "parent": self.startup} for n, p in self.loras.items()]
+            return httpx.Response(200, json={"data": [{"id": self.startup, "root": self.startup}, *adapters]})
         if path == "/v1/completions":
-            value = float("nan") if self.loaded in self.garbage else -0.5
+            if self.during_completion is not None:
+                self.during_completion(body.get("model"))
+            weights = self.loras.get(body.get("model") or "", self.loaded)
+            value = float("nan") if self.loaded in self.garbage or weights in self.garbage else -0.5
             body = {"choices": [{"logprobs": {"token_logprobs": [value] * 2}}]}  # NaN as Python writes it
             return httpx.Response(
                 200, content=json.dumps(body).encode(), headers={"content-type": "application/json"}

@@ -86,7 +86,7 @@ class AdapterAnswers:
             else:
                 held.pop(target.adapter, None)
         reason = f"its canary failed: {result.canary_failed}"
-        with facts.records.transaction():  # whatever is remembered of it, with the fleet's verdict
+        with facts.records.transaction("adapter_failure"):  # what is remembered, the fleet's verdict
             facts.failed(engine.url, target.fingerprint, reason)  # out while the engine may hold it
             if canary and result.blamed:
                 facts.rejected.remember(target.fingerprint, reason)

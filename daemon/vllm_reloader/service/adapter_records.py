@@ -5,6 +5,7 @@ and what the gate compares an adapter with."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..checkpoint import adapter as adapter_gate
@@ -142,6 +143,8 @@ class Holdings:
     """Copy path → the version it holds (what an engine reports is mapped back by it)."""
     unfit: set[tuple[str, str | None]] = field(default_factory=set)
     """(adapter fingerprint, base fingerprint) whose canary failed on that base."""
+    copies: Path | None = None
+    """Where the copies are (`content_of` reads a copy's content from its name)."""
     failed_here: dict[str, str] = field(default_factory=dict)
     """`url fingerprint` → why: a content whose canary failed on that engine, which may still
     hold it (its way back failed): out of rotation while it does. In the record store."""
@@ -157,24 +160,39 @@ class Holdings:
         """Contents no engine loads on base weights `base`."""
         return set(self.rejected.reasons) | {fp for fp, on in self.unfit if on == base}
 
-    def why_refused(self, url: str, version: AdapterVersion, base: str | None) -> str | None:
-        """Why an engine holding `version` must not take traffic (None: nothing)."""
-        if version.fingerprint in self.rejected:
-            return f"rejected: {self.rejected.reasons[version.fingerprint]}"
-        if (version.fingerprint, base) in self.unfit:
+    def content_of(self, path: str) -> str | None:
+        """Which content a copy an engine holds is: its fingerprint, or, for a copy of ours not
+        judged again yet (after a restart), the digest its name ends in (a prefix of it)."""
+        if (version := self.versions.get(path)) is not None:
+            return version.fingerprint
+        copy = Path(path)
+        if self.copies is not None and copy.parent.parent == self.copies and "@" in copy.name:
+            return copy.name.rpartition("@")[2] or None
+        return None
+
+    def why_refused(self, url: str, path: str, base: str | None) -> str | None:
+        """Why an engine holding the copy at `path` must not take traffic (None: nothing)."""
+        content = self.content_of(path)
+        if content is None:
+            return None
+        for fingerprint, reason in self.rejected.reasons.items():
+            if fingerprint.startswith(content):
+                return f"rejected: {reason}"
+        if any(fingerprint.startswith(content) for fingerprint, on in self.unfit if on == base):
             return "its canary failed on these base weights"
-        return self.failed_here.get(f"{url} {version.fingerprint}")
+        mine = f"{url} {content}"
+        return next((why for key, why in self.failed_here.items() if key.startswith(mine)), None)
 
     def tidy(self) -> None:
         """Forget failures here of what the engine no longer holds (known to hold)."""
-        kept = {
-            key: why
-            for key, why in self.failed_here.items()
-            if (held := self.held.get(key.split(" ", 1)[0], {})) is None
-            or any(
-                (v := self.versions.get(p)) and v.fingerprint == key.split(" ", 1)[1] for p in held.values()
-            )
-        }
+
+        def holds(key: str) -> bool:
+            url, fingerprint = key.split(" ", 1)
+            paths = self.held.get(url, {})
+            contents = [self.content_of(p) for p in (paths or {}).values()]
+            return paths is None or any(c and fingerprint.startswith(c) for c in contents)
+
+        kept = {key: why for key, why in self.failed_here.items() if holds(key)}
         if kept != self.failed_here:
             self.failed_here = kept
             self.records.replace(FAILED_KIND, kept)

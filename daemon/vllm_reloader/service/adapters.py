@@ -22,6 +22,7 @@ from __future__ import annotations
 import queue
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from ..checkpoint.adapter import AdapterVersion, Served
@@ -47,7 +48,7 @@ class Adapters:
     ) -> None:
         """`post`: the loop's inbox, where the source thread sends what it found."""
         self.config, self.log, self.metrics, self.post, self.records = config, log, metrics, post, records
-        self.facts = Holdings(Rejections(records), records)
+        self.facts = Holdings(Rejections(records), records, copies=config.adapter_copies)
         self.gate = GateView()
         self.gate_against: Served | None = None
         """What the canary engine serves, for the source thread's gate (replaced, never changed)."""
@@ -100,6 +101,7 @@ class Adapters:
     def reconfigure(self, config: Config) -> None:
         """SIGHUP: a new `[adapters]` (or state dir) gets a new source thread; what is known stays."""
         old, self.config = self.config, config
+        self.facts.copies = config.adapter_copies
 
         def parts(c: Config) -> tuple[object, ...]:
             return (c.adapters, c.adapter_copies, c.adapter_endpoint, c.rollout, c.state.dir)
@@ -260,9 +262,8 @@ class Adapters:
             return {"adapters": "what adapters it holds is not known yet"}
         base = engine.served.serving.fingerprint if engine.served.serving else None
         for name, path in sorted(held.items()):
-            version = self.facts.versions.get(path)
-            if version is not None and (why := self.facts.why_refused(engine.url, version, base)):
-                return {"adapters": f"holds {name} {version.version}: {why}"}
+            if why := self.facts.why_refused(engine.url, path, base):
+                return {"adapters": f"holds {name} {self._version_of(path) or Path(path).name}: {why}"}
         return {}
 
     # -- state -----------------------------------------------------------------------------

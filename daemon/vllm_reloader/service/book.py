@@ -42,7 +42,7 @@ class Book:
         then its `checkpoint.rejected` line."""
         self.metrics.rejected.labels(check=details.get("check", "")).inc()
         said = self.catalog.reject(name, version, reason, fingerprint, **details)
-        with self.records.transaction():
+        with self.records.transaction("rejection"):
             self.persist()
             self.tell(verdict)
             self.records.then(lambda: self.log.warning("checkpoint.rejected", **said))
@@ -65,7 +65,8 @@ class Book:
     def pin(self, name: str, *, force: bool = False) -> str | None:
         """Pin a checkpoint by directory name or version; returns an error, or None."""
         error = self.catalog.pin(name, force=force)
-        self.persist()
+        with self.records.transaction("pin"):
+            self.persist()
         return error
 
     def unpin(self) -> None:

@@ -205,7 +205,7 @@ class Loads:
             self.metrics.reload_seconds.labels(**labels).observe(decision.reloaded["seconds"])
             self.metrics.bytes_reloaded.labels(**labels).inc(decision.reloaded["bytes"])
             served.last_reload = {k: decision.reloaded[k] for k in ("version", "duration_ms", "at")}
-        with self.book.records.transaction():  # the decision and the verdict telling the fleet, together
+        with self.book.records.transaction("serving"):  # the decision and the fleet's verdict, together
             if decision.set_serving:
                 self.set_serving(engine, decision.serving, good=decision.last_good)
             self._keep_unclean()
