@@ -225,3 +225,72 @@ def test_the_collector_deletes_no_copy_a_setting_pointed_at_the_other_stores_dir
     content = ContentStore(open_records(tmp_path / "state"), structlog.get_logger())
     content.declare({})
     assert content.collect() == [] and served.is_dir(), f"not a {kind} it made: never deleted"
+
+
+def test_three_engines_under_load_never_have_more_out_than_allowed_nor_serve_what_failed(
+    start, root, tmp_path, make_checkpoint
+):
+    """Drained base reloads and adapter swaps interleaved, some failing their canary, while
+    requests come and go on every engine: never more than `max_unavailable` out for work, and
+    never an engine in rotation holding weights or an adapter that failed its canary."""
+    make_checkpoint("step-1", step=1, root=root)
+    engines = lora_engines(root, 3)
+    urls = [ENGINE_URL, follower_url(0), follower_url(1)]
+    write_adapter(tmp_path / "adapters" / "support" / "step-1", seed=1)
+    running = start(
+        engines[0], followers=engines[1:], max_unavailable=1,
+        readiness=readiness_config(drain=True, grace=0.0), adapters=adapters_config(tmp_path),
+    )  # fmt: skip
+    until(lambda: all(holding(e, "step-1") for e in engines), what="step-1 on every engine")
+    broken = str(root / "step-3")
+
+    def failing_adapter(engine: FakeEngine) -> Callable[[str], None]:
+        def load(path: str) -> None:
+            time.sleep(0.4)  # swaps and reloads take a while: they overlap
+            if "step-3@" in path:
+                engine.garbage.add(path)
+
+        return load
+
+    for engine in engines:
+        engine.garbage.add(broken)
+        engine.during_lora = failing_adapter(engine)
+        engine.during_load = lambda _path: time.sleep(0.2)
+    rotation, done, seen_serving_failed = running.daemon.reloader.engines.rotation, threading.Event(), []
+
+    def load_and_watch() -> None:  # requests come and go; readiness read first, then what it holds
+        n = 0
+        while not done.wait(0.004):
+            n += 1
+            for engine, url in zip(engines, urls, strict=True):
+                engine.requests_running = int((n // 25) % 3 == 0)  # a request in flight a third of the time
+                if rotation.why_out(url) is None and (
+                    engine.loaded in engine.garbage or any(p in engine.garbage for p in engine.loras.values())
+                ):
+                    seen_serving_failed.append((url, engine.loaded, dict(engine.loras)))
+
+    watcher = threading.Thread(target=load_and_watch, daemon=True)
+    watcher.start()
+    sampled = Unavailable(running, engines)
+    for step in (2, 3, 4):  # adapter and base versions interleaved; step-3 of each fails its canary
+        write_adapter(tmp_path / "adapters" / "support" / f"step-{step}", seed=step)
+        time.sleep(0.6)  # the followers' swaps under way
+        make_checkpoint(f"step-{step}", step=step, root=root, seed=step)
+        if step == 3:  # each tried (on the canary engine) before a newer one passes it by
+            running.wait_for("reload.rolled_back", version="step-3", timeout=60)
+            running.wait_for("adapter.rolled_back", version="step-3", timeout=60)
+        time.sleep(0.3)
+    until(
+        lambda: all(e.version == "step-4" and holding(e, "step-4") for e in engines),
+        timeout=90, what="step-4 weights and adapter on every engine",
+    )  # fmt: skip
+    done.set()
+    watcher.join()
+    assert sampled.stop() == 1, "never more engines out than max_unavailable"
+    assert seen_serving_failed == [], "never in rotation with what failed its canary"
+    started = running.events("reload.started", version="step-3") + running.events(
+        "adapter.loading", version="step-3"
+    )
+    assert {e["engine"] for e in started} == {ENGINE_URL}, (
+        "what failed on the canary engine went nowhere else"
+    )

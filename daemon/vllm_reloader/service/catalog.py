@@ -139,7 +139,7 @@ class Catalog:
         self.arrived -= {c.name for c in worth}  # newer than what served when it came: not passed over
         for name in sorted(self.arrived):
             found = self.candidates.get(name)
-            if found is None or name == serving.name or not self._settled(found):
+            if found is None or name == serving.name or not _settled(self.root, self.convention, found):
                 continue
             self.arrived.discard(name)
             if found.fingerprint in self.rejected_view.get(found.base, ()):
@@ -152,22 +152,6 @@ class Catalog:
                 "and one without a step sorts before every stepped one",
                 fix=f"`vllm-reloader pin {name}` loads it; or publish it with --step",
             )
-
-    def _settled(self, found: order.Candidate) -> bool:
-        """Whether a writer is done with it as the catalog last saw it: its completing file is
-        there (and quiet, for a lone model.safetensors), a manifest parses (one written in place
-        has no step until whole), and nothing changed since (else a refresh is on its way)."""
-        try:
-            listing = DirectoryListing(self.root / found.name)
-            signal = conventions.signal_name(listing.top(), self.convention)
-            quiet = time.time() - listing.last_change() >= self.convention.settle_seconds
-            if signal == MANIFEST_NAME:
-                parse_manifest(listing.whole(MANIFEST_NAME))
-            now = completeness.candidate(found.name, listing, self.convention)
-        except (OSError, NotJSONYet, ManifestInvalid):
-            return False
-        unchanged = (now.step, now.fingerprint) == (found.step, found.fingerprint)
-        return unchanged and signal is not None and (signal != SINGLE_NAME or quiet)
 
     def _dated(self, serving: order.Serving) -> order.Serving:
         """`serving` with the time its copy was placed, when it is in the root."""
@@ -295,6 +279,23 @@ REASON_NOT_KEPT = "rejected before (its reason was not kept)"
 
 def _fingerprints(rejected: Mapping[str, Rejection]) -> Mapping[str, frozenset[str]]:
     return MappingProxyType({name: frozenset((r.fingerprint, *r.earlier)) for name, r in rejected.items()})
+
+
+def _settled(root: Path, convention: Convention, found: order.Candidate) -> bool:
+    """Whether a writer is done with it as the catalog last saw it: its completing file is
+    there (and quiet, for a lone model.safetensors), a manifest parses (one written in place
+    has no step until whole), and nothing changed since (else a refresh is on its way)."""
+    try:
+        listing = DirectoryListing(root / found.name)
+        signal = conventions.signal_name(listing.top(), convention)
+        quiet = time.time() - listing.last_change() >= convention.settle_seconds
+        if signal == MANIFEST_NAME:
+            parse_manifest(listing.whole(MANIFEST_NAME))
+        now = completeness.candidate(found.name, listing, convention)
+    except (OSError, NotJSONYet, ManifestInvalid):
+        return False
+    unchanged = (now.step, now.fingerprint) == (found.step, found.fingerprint)
+    return unchanged and signal is not None and (signal != SINGLE_NAME or quiet)
 
 
 def _real_directory(directory: Path) -> bool:

@@ -11,7 +11,6 @@ thread is alive, RELOADING on SIGHUP, STOPPING on SIGTERM.
 
 from __future__ import annotations
 
-import dataclasses
 import queue
 import signal
 import threading
@@ -27,8 +26,8 @@ from ..errors import ConfigError, StateError
 from ..records import RecordStore
 from ..sources.content import ContentStore
 from ..sources.convert import Converter
-from ..sources.verdicts import WAITING_FOR_CANARIES, Verdict
-from . import parts, paths, reconfigure, status
+from ..sources.verdicts import Verdict
+from . import parts, paths, reconfigure, status, views
 from .adapters import Adapters
 from .control import ControlServer, Request
 from .leases import Collector
@@ -52,7 +51,7 @@ from .messages import (
 )
 from .migrate import migrate
 from .notify import Notifier
-from .readiness import ReadinessServer
+from .readiness import serve
 from .reloader import Reloader
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -102,10 +101,8 @@ class Daemon:
         self.control = ControlServer(
             config.control_socket, lambda request, reply: self.inbox.put(ControlRequest(request, reply))
         )
-        self.ready_sent = False
+        self.reporting = views.Reporting(self.notifier)
         self.stopping_since: float | None = None
-        self.last_status = ""
-        self.next_observe = 0.0
         self.exit_code = 0
 
     def _verdict(self, verdict: Verdict) -> None:
@@ -134,7 +131,7 @@ class Daemon:
         """Until SIGTERM (exit 0), or until a helper thread dies (exit 1: systemd restarts us)."""
         if self.config.metrics.listen:
             self.reloader.metrics.serve(self.config.metrics.listen)
-        readiness = self._serve_readiness()
+        readiness = serve(self.config, self.reloader.engines.rotation, self.log)
         for helper in self.helpers().values():
             if helper is not None:
                 helper.start()
@@ -169,22 +166,6 @@ class Daemon:
             )
         return self.exit_code
 
-    def _serve_readiness(self) -> ReadinessServer | None:
-        """`GET /ready/<n>` for the balancer (its address is read at start only)."""
-        config = self.config.readiness
-        if config.listen is None:
-            return None
-        server = ReadinessServer(config.listen, self.reloader.engines.rotation)
-        server.start()
-        in_place = config.drain and len(self.config.engine.urls) < 2
-        self.log.info(
-            "readiness.listening",
-            listen=config.listen,
-            engines={str(n): url for n, url in enumerate(self.config.engine.urls)},
-            drain="in place: one engine alone" if in_place else "rotation" if config.drain else "off",
-        )
-        return server
-
     def _step(self) -> None:
         dead = next((name for name, h in self.helpers().items() if h is not None and not h.is_alive()), None)
         if dead is not None:  # never run on with a silent dead thread
@@ -203,68 +184,22 @@ class Daemon:
         elif not engines.under_way() or time.monotonic() > self._stop_deadline():
             self.stop.set()
             return
-        self._tell_systemd()
+        self.reporting.turn(self.config, self.reloader, self.adapters, self.remote, self._healthy())
 
     def snapshot(self, newer: bool = False) -> status.Snapshot:
-        """What operators see: the reloader's view, and the object store's (what waits there is
-        newer than what any engine serves: the store lists only such; one waiting on canary
-        hosts is said by its own alert). `newer`: what each engine has yet to serve."""
-        found = self.reloader.snapshot(newer)
-        found = dataclasses.replace(found, adapters=self.adapters.snapshot(self.reloader.engines.all))
-        if self.remote is None:
-            return found
-        remote = self.remote.pending
-        waiting = {n for n, why in remote.items() if not why.startswith(WAITING_FOR_CANARIES)}
-        held = not newer or found.pinned is not None
-        return dataclasses.replace(
-            found,
-            pending={**found.pending, **remote},
-            engines=tuple(
-                e
-                if held or not e.reachable
-                else dataclasses.replace(e, newer=tuple(sorted({*e.newer, *waiting})))
-                for e in found.engines
-            ),
-            source_url=self.remote.config.source.path,
-            source_failing=dict(self.remote.problems),
-        )
-
-    def _tell_systemd(self) -> None:
-        """Every tick: systemd's status and watchdog; once a second, with `[metrics] listen`,
-        the metrics of what waits (one snapshot for both)."""
-        observe = self.config.metrics.listen is not None and time.monotonic() >= self.next_observe
-        snapshot = self.snapshot(newer=observe)
-        if observe:
-            self.next_observe = time.monotonic() + 1.0
-            self.reloader.metrics.observe(snapshot, time.time())
-        now = status.line(snapshot)
-        engines = self.reloader.engines
-        if not self.ready_sent and self.reloader.served.reconciled and engines.idle(engines.canary):
-            self.ready_sent = True
-            self.notifier.ready(now)
-        elif not self.ready_sent:
-            self.notifier.extend_timeout(self.config.engine.retry_max + 30)
-        if now != self.last_status:
-            self.last_status = now
-            self.notifier.status(now)
-        if self._healthy():
-            self.notifier.watchdog()
+        """What operators see (`views.snapshot`)."""
+        return views.snapshot(self.reloader, self.adapters, self.remote, newer)
 
     def _healthy(self) -> bool:
         """Alive means the helper threads run, and no reload outlives what its timeouts allow."""
         if not all(h.is_alive() for h in self.helpers().values() if h is not None):
             return False
-        now = time.monotonic()
-        return all(now - job.started < self._reload_budget() for job in self.reloader.jobs())
-
-    def _reload_budget(self) -> float:
-        engine, readiness = self.config.engine, self.config.readiness
-        drain = readiness.grace + readiness.drain_timeout if readiness.drain else 0.0
-        return drain + engine.pause_timeout + 2 * engine.reload_timeout + 6 * engine.timeout
+        now, budget = time.monotonic(), views.reload_budget(self.config)
+        return all(now - job.started < budget for job in self.reloader.jobs())
 
     def _stop_deadline(self) -> float:
         assert self.stopping_since is not None
-        return self.stopping_since + self._reload_budget()
+        return self.stopping_since + views.reload_budget(self.config)
 
     def _wait(self) -> None:
         timeout = max(0.0, self.reloader.next_deadline() - time.monotonic())

@@ -19,7 +19,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import Any
 
+from ..config import Config
 from ..errors import ConfigError
 from .bounded import Bounded
 
@@ -196,6 +198,23 @@ class Drain:
 
 def _ms_since(started: float) -> float:
     return round((time.monotonic() - started) * 1000, 3)
+
+
+def serve(whole: Config, rotation: Rotation, log: Any) -> ReadinessServer | None:
+    """`GET /ready/<n>` for the balancer, where `[readiness] listen` says (read at start only)."""
+    config = whole.readiness
+    if config.listen is None:
+        return None
+    server = ReadinessServer(config.listen, rotation)
+    server.start()
+    in_place = config.drain and len(whole.engine.urls) < 2
+    log.info(
+        "readiness.listening",
+        listen=config.listen,
+        engines={str(n): url for n, url in enumerate(whole.engine.urls)},
+        drain="in place: one engine alone" if in_place else "rotation" if config.drain else "off",
+    )
+    return server
 
 
 class ReadinessServer:

@@ -1,0 +1,90 @@
+"""What operators and systemd see, assembled on the loop from the facts' owners: the `status`
+snapshot (the reloader's, the adapters', the object store's), and each turn's report to
+systemd — READY once the canary engine was reconciled, STATUS as it changes, WATCHDOG only
+while the daemon is healthy — with, once a second, the metrics of what waits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from ..config import Config
+from ..sources.remote import RemoteSource
+from ..sources.verdicts import WAITING_FOR_CANARIES
+from . import status
+from .adapters import Adapters
+from .notify import Notifier
+from .reloader import Reloader
+
+
+def snapshot(
+    reloader: Reloader, adapters: Adapters, remote: RemoteSource | None, newer: bool
+) -> status.Snapshot:
+    """The reloader's view, the adapters', and the object store's (what waits there is newer
+    than what any engine serves: the store lists only such; one waiting on canary hosts is said
+    by its own alert). `newer`: what each engine has yet to serve."""
+    found = reloader.snapshot(newer)
+    found = dataclasses.replace(found, adapters=adapters.snapshot(reloader.engines.all))
+    if remote is None:
+        return found
+    pending = remote.pending
+    waiting = {n for n, why in pending.items() if not why.startswith(WAITING_FOR_CANARIES)}
+    held = not newer or found.pinned is not None
+    return dataclasses.replace(
+        found,
+        pending={**found.pending, **pending},
+        engines=tuple(
+            e
+            if held or not e.reachable
+            else dataclasses.replace(e, newer=tuple(sorted({*e.newer, *waiting})))
+            for e in found.engines
+        ),
+        source_url=remote.config.source.path,
+        source_failing=dict(remote.problems),
+    )
+
+
+class Reporting:
+    """systemd's view of the daemon, told at every turn of the loop."""
+
+    def __init__(self, notifier: Notifier) -> None:
+        self.notifier = notifier
+        self.ready_sent = False
+        self.last_status = ""
+        self.next_observe = 0.0
+
+    def turn(
+        self,
+        config: Config,
+        reloader: Reloader,
+        adapters: Adapters,
+        remote: RemoteSource | None,
+        healthy: bool,
+    ) -> None:
+        """systemd's status and watchdog; once a second, with `[metrics] listen`, the metrics of
+        what waits (one snapshot for both)."""
+        observe = config.metrics.listen is not None and time.monotonic() >= self.next_observe
+        found = snapshot(reloader, adapters, remote, newer=observe)
+        if observe:
+            self.next_observe = time.monotonic() + 1.0
+            reloader.metrics.observe(found, time.time())
+        now = status.line(found)
+        engines = reloader.engines
+        if not self.ready_sent and reloader.served.reconciled and engines.idle(engines.canary):
+            self.ready_sent = True
+            self.notifier.ready(now)
+        elif not self.ready_sent:
+            self.notifier.extend_timeout(config.engine.retry_max + 30)
+        if now != self.last_status:
+            self.last_status = now
+            self.notifier.status(now)
+        if healthy:
+            self.notifier.watchdog()
+
+
+def reload_budget(config: Config) -> float:
+    """The longest a reload may take, all its timeouts added: longer, the daemon is not healthy."""
+    engine, readiness = config.engine, config.readiness
+    drain = readiness.grace + readiness.drain_timeout if readiness.drain else 0.0
+    return drain + engine.pause_timeout + 2 * engine.reload_timeout + 6 * engine.timeout
