@@ -137,3 +137,29 @@ def test_records_moved_to_a_new_state_dir_take_everything_along(tmp_path):
     assert [v for _, v in moved.outbox("adapters")] == [{"name": "support"}]
     assert moved.leases() == {"/copies/support/v1@ab": {"engine:a"}}
     assert set(open_records(tmp_path / "a").all("rejected")) == {"step-3"}, "the old one left as it was"
+
+
+def test_records_a_commit_the_disk_refuses_loses_no_verdict_and_writes_the_facts_again(tmp_path, monkeypatch):
+    """In WAL mode a full disk fails the COMMIT, not the writes before it: a decision inside a
+    transaction cannot know its writes were lost until it ends."""
+    from tests.support.records import fill_disk
+    from vllm_reloader.config import RolloutConfig
+    from vllm_reloader.service.state import Rejection, State, StateRecords
+    from vllm_reloader.sources.verdicts import Fleet, Verdict
+
+    records = open_records(tmp_path)
+    facts = StateRecords(records, structlog.get_logger())
+    fleet = Fleet(None, RolloutConfig(host="h"), structlog.get_logger(), records)  # type: ignore[arg-type]
+    rejected = State(
+        rejected={"step-9": Rejection(version="step-9", reason="canary", fingerprint="f" * 16, at=1.0)}
+    )
+    verdict = Verdict("step-9", "step-9", "f" * 16, False, "canary")
+    full = fill_disk(records, monkeypatch, at_commit=True)
+    with capture_logs() as logs, records.transaction("rejection"):
+        facts.save(rejected)
+        fleet.add(verdict)
+    assert full.refused == 1 and [e["event"] for e in logs] == ["state.write_failed"]
+    assert fleet.pending() == [verdict], "kept in memory, added again first"
+    monkeypatch.undo()
+    facts.save(rejected)  # the same facts again: not taken as saved
+    assert StateRecords(records, structlog.get_logger()).saved == rejected

@@ -80,7 +80,7 @@ class RecordStore:
         self._lock = threading.RLock()
         self._depth = 0
         self._failed = False
-        self._after: list[Callable[[], object]] = []
+        self._after: list[Callable[[bool], object]] = []
 
     # -- opening -----------------------------------------------------------------------------
 
@@ -192,18 +192,25 @@ class RecordStore:
                 self._depth -= 1
                 if outer:
                     self._end(aborted)
-                    if decision is not None and not (aborted or self._failed):
+                    committed = not (aborted or self._failed)
+                    if decision is not None and committed:
                         failpoints.hit(f"recorded_{decision}")
                     actions, self._after = self._after, []
                     for action in actions:
-                        action()
+                        action(committed)
 
     def then(self, action: Callable[[], object]) -> None:
         """Run `action` (a decision's log line) once the transaction under way has ended, so
         whoever reads the store on that line finds the decision there; now, outside one."""
+        self.ended(lambda _: action())
+
+    def ended(self, action: Callable[[bool], object]) -> None:
+        """Run `action(committed)` once the transaction under way has ended: whether what it
+        wrote is in the store (a full disk fails at the commit, not at the write). Used inside
+        a transaction; outside one, `action(True)` at once."""
         with self._lock:
             if self._depth == 0:
-                action()
+                action(True)
             else:
                 self._after.append(action)
 
@@ -216,11 +223,6 @@ class RecordStore:
             with contextlib.suppress(sqlite3.Error):
                 self._db.execute("ROLLBACK")
             self._write_failed(exc)
-
-    @property
-    def failed(self) -> bool:
-        """Whether the last transaction's writes were lost."""
-        return self._failed
 
     def _write(self, sql: str, args: Iterable[object] = ()) -> None:
         with self.transaction():
@@ -307,7 +309,12 @@ class RecordStore:
             self._write("DELETE FROM leases WHERE path = ?", (path,))
 
     def hold(self, holder: str, paths: Iterable[str]) -> None:
-        """What `holder` holds now, whole (what it held before and not now is let go)."""
+        """What `holder` holds now, whole (what it held before and not now is let go); written
+        only when it changed."""
+        paths = set(paths)
+        held = {str(p) for (p,) in self._read("SELECT path FROM leases WHERE holder = ?", (holder,))}
+        if held == paths:
+            return
         with self.transaction():
             self._write("DELETE FROM leases WHERE holder = ?", (holder,))
             for path in sorted(set(paths)):

@@ -358,3 +358,18 @@ def test_adapters_forget_an_engine_a_sighup_let_go_so_copies_are_collected_again
     tick(adapters, [kept])  # b dropped from [engine] urls
     assert "b" not in adapters.facts.held
     assert all(all_of("adapter") not in held for held in adapters.facts.leases().values())
+
+
+def test_adapters_a_source_replaced_by_a_sighup_lets_go_of_its_copies(tmp_path):
+    adapters = make(tmp_path)
+    before = adapters.source
+    assert before is not None
+    before.content.hold(before.holder, [str(tmp_path / "copies" / "support" / "step-1@1")])
+    (tmp_path / "other").mkdir()
+    changed = adapters.config.model_copy(
+        update={"adapters": adapters.config.adapters.model_copy(update={"root": str(tmp_path / "other")})}
+    )
+    adapters.reconfigure(changed)
+    assert adapters.source is not before
+    assert not [h for held in adapters.records.leases().values() for h in held if h == before.holder]
+    adapters.close()

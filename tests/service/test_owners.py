@@ -18,7 +18,7 @@ import pytest
 from tests.service.test_readiness import readiness_config, ready
 from tests.support.adapters import write_adapter
 from tests.support.daemon_fixtures import ENGINE_URL, Running, follower_url
-from tests.support.fake_engine import FakeEngine
+from tests.support.fake_engine import FakeEngine, error
 from vllm_reloader import config
 
 
@@ -294,3 +294,141 @@ def test_three_engines_under_load_never_have_more_out_than_allowed_nor_serve_wha
     assert {e["engine"] for e in started} == {ENGINE_URL}, (
         "what failed on the canary engine went nowhere else"
     )
+
+
+def test_an_engine_whose_adapter_broke_on_its_new_base_is_out_until_canaried_and_while_it_will_not_unload(
+    start, root, tmp_path, make_checkpoint
+):
+    """After a drained base reload, what the engine holds is canaried again before it takes
+    traffic; one adapter broken on the new base whose unload fails keeps it out (before: back
+    in rotation between the reload and the canary, and for good once the unload failed)."""
+    make_checkpoint("step-1", step=1, root=root)
+    engine, follower = lora_engines(root, 2)
+    write_adapter(tmp_path / "adapters" / "support" / "step-1", seed=1)
+    running = start(
+        engine, followers=[follower], readiness=readiness_config(drain=True, grace=0.0),
+        adapters=adapters_config(tmp_path),
+    )  # fmt: skip
+    until(lambda: holding(engine, "step-1") and ready(running, 0)[0] == 200, what="loaded, in rotation")
+    adapter = engine.loras["support"]
+
+    def on_base(path: str) -> None:
+        if "step-2" in path:  # the new base breaks the adapter trained on step-1
+            engine.garbage.add(adapter)
+            engine.fail["/v1/unload_lora_adapter"] = error(500, "unload refused")
+
+    engine.during_load = on_base
+    rotation, seen_in, done = running.daemon.reloader.engines.rotation, [], threading.Event()
+
+    def sample() -> None:  # readiness first, then what it holds
+        while not done.wait(0.002):
+            if rotation.why_out(ENGINE_URL) is None and engine.loras.get("support") == adapter:  # noqa: SIM102
+                if adapter in engine.garbage:
+                    seen_in.append(time.monotonic())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    make_checkpoint("step-2", step=2, root=root, seed=2)
+    running.wait_for("reload.succeeded", version="step-2", engine=ENGINE_URL, timeout=30)
+    running.wait_for("adapter.recheck_failed", engine=ENGINE_URL, timeout=30)
+    time.sleep(0.5)
+    status, why = ready(running, 0)
+    done.set()
+    sampler.join()
+    assert seen_in == [], "never in rotation holding an adapter broken on its base weights"
+    assert status == 503 and "adapters" in why, why
+
+
+def test_an_engine_dropped_and_added_back_while_its_reload_runs_keeps_one_thread(
+    start, root, make_checkpoint, monkeypatch
+):
+    """Before: the engine added back got a second scheduler beside the one still loading."""
+    import signal
+
+    from vllm_reloader.service import reconfigure
+    from vllm_reloader.service.messages import SignalReceived
+
+    make_checkpoint("step-1", step=1, root=root)
+    canary, follower = FakeEngine(str(root / "step-1")), FakeEngine(str(root / "step-1"))
+    running = start(canary, followers=[follower])
+    running.wait_for("engine.reconciled", engine=follower_url(0))
+    loading, most = [0], [0]
+
+    def slow(_path: str) -> None:
+        loading[0] += 1
+        most[0] = max(most[0], loading[0])
+        time.sleep(1.5)
+        loading[0] -= 1
+
+    follower.during_load = slow
+    both = running.daemon.config
+    one = both.model_copy(update={"engine": both.engine.model_copy(update={"urls": (ENGINE_URL,)})})
+    configs = iter([one, both])
+    monkeypatch.setattr(
+        reconfigure, "prepare", lambda *_a, **_k: reconfigure.Rebuilt(next(configs), sources=False)
+    )
+    make_checkpoint("step-2", step=2, root=root, seed=2)
+    running.wait_for("reload.started", version="step-2", engine=follower_url(0), timeout=20)
+    running.daemon.inbox.put(SignalReceived(signal.SIGHUP))  # drops the follower mid-load
+    running.wait_for("engine.dropped", timeout=5)
+    running.daemon.inbox.put(SignalReceived(signal.SIGHUP))  # and adds it back
+    until(lambda: follower.version == "step-2" and not loading[0], what="the follower on step-2")
+    time.sleep(0.5)
+    assert most[0] == 1, "one load at a time on one engine"
+    assert (
+        len(running.daemon.reloader.engines.schedulers) == 2 and not running.daemon.reloader.engines.retired
+    )
+
+
+def test_an_engine_waiting_for_its_resume_counts_against_max_unavailable(start, root, make_checkpoint):
+    """Before: an engine left paused by a failed resume counted nowhere, and a follower's
+    reload paused it too: two of two paused, max_unavailable 1."""
+    import httpx
+
+    make_checkpoint("step-1", step=1, root=root)
+    canary, follower = FakeEngine(str(root / "step-1")), FakeEngine(str(root / "step-1"))
+    running = start(canary, followers=[follower], max_unavailable=1)
+    running.wait_for("engine.reconciled", engine=follower_url(0))
+    refuse_until = [0.0]
+
+    def resume() -> httpx.Response:
+        if time.monotonic() < refuse_until[0]:
+            return httpx.Response(500, json={"error": {"message": "resume failed"}})
+        canary.paused = False
+        return httpx.Response(200, json={"status": "resumed"})
+
+    def on_load(path: str) -> None:
+        if "step-2" in path and not refuse_until[0]:
+            refuse_until[0] = time.monotonic() + 2.0
+            canary.fail["/resume"] = resume
+
+    canary.during_load = on_load
+    most, done = [0], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.003):
+            most[0] = max(most[0], canary.paused + follower.paused)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    make_checkpoint("step-2", step=2, root=root, seed=2)
+    running.wait_for("reload.succeeded", version="step-2", engine=follower_url(0), timeout=30)
+    done.set()
+    sampler.join()
+    assert most[0] == 1, "never both paused"
+
+
+def test_an_odd_answer_to_a_warm_up_does_not_stop_the_daemon(start, root, make_checkpoint):
+    """Before: a logprob the parser could not take (a 400-digit number) killed the engine's
+    thread at its warm-up, the daemon exited 1, and after a restart the same again."""
+    import httpx
+
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(str(root / "step-1"))
+    huge = b'{"choices":[{"logprobs":{"token_logprobs":[-1' + b"0" * 400 + b"]}}]}"
+    engine.fail["/v1/completions"] = lambda: httpx.Response(200, content=huge)
+    running = start(engine)
+    warmed = running.wait_for("engine.warmed", timeout=20)
+    assert warmed["problem"] and "token_logprobs" in warmed["problem"], warmed
+    time.sleep(0.5)
+    assert not running.events("daemon.thread_died") and running.thread.is_alive()

@@ -246,3 +246,16 @@ def test_state_of_the_previous_release_whose_serving_copy_was_replaced_loads_wha
     running = start(engine)
     running.wait_for("reload.succeeded", version="latest")
     assert engine.loaded == str(root / "latest")
+
+
+def test_migrate_imports_again_what_a_release_gone_back_to_wrote_since(tmp_path):
+    """Upgrade, go back a release (it writes its JSON files again), forward again: what it wrote
+    is the newer, and imported; before, it was renamed away unread."""
+    previous_release(tmp_path)
+    records = open_records(tmp_path)
+    migrate.migrate(records, tmp_path, structlog.get_logger())
+    newer = sample().model_copy(update={"pinned": None})
+    (tmp_path / "state.json").write_text(newer.model_dump_json())  # the release gone back to
+    migrate.migrate(records, tmp_path, structlog.get_logger())
+    assert state.StateRecords(records, structlog.get_logger()).saved == newer
+    assert not (tmp_path / "state.json").exists()

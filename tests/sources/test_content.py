@@ -79,3 +79,26 @@ def test_content_adopts_what_an_earlier_release_made_in_its_own_directory_once(t
     content.adopt(tmp_path / "cache", "*", "download")
     content.declare({})
     assert content.collect() == [("download", str(old))] and new.is_dir()
+
+
+def test_content_never_collects_a_converters_output_it_placed_in_the_trainers_root(tmp_path):
+    """The root is the trainer's, and other daemons on it may serve what one converted."""
+    content = store(tmp_path)
+    output = made(tmp_path / "root" / "step-5@0123456789abcdef")
+    content.made(output, "converted")
+    content.declare({})
+    assert content.collect() == [] and output.is_dir()
+
+
+def test_content_a_lease_held_again_unchanged_writes_nothing(tmp_path, monkeypatch):
+    """A source re-declares what it holds at every look (every second): no write, no fsync."""
+    content = store(tmp_path)
+    content.hold("source:adapters:0", ["/copies/a/v1@1"])
+    written: list[str] = []
+    real = content.records.transaction
+    monkeypatch.setattr(content.records, "transaction", lambda *a: (written.append("w"), real(*a))[1])
+    for _ in range(5):
+        content.hold("source:adapters:0", ["/copies/a/v1@1"])
+    assert written == []
+    content.hold("source:adapters:0", ["/copies/a/v2@2"])
+    assert written and content.records.leases() == {"/copies/a/v2@2": {"source:adapters:0"}}

@@ -18,14 +18,16 @@ def open_records(directory: Path) -> RecordStore:
 
 
 class FullDisk:
-    """The store's connection on a full disk: every write fails as SQLite says it then."""
+    """The store's connection on a full disk: every write fails as SQLite says it then (in WAL
+    mode, with `at_commit`, only the COMMIT: the WAL grows as the transaction is committed)."""
 
-    def __init__(self, real: sqlite3.Connection) -> None:
-        self.real = real
+    def __init__(self, real: sqlite3.Connection, at_commit: bool = False) -> None:
+        self.real, self.at_commit = real, at_commit
         self.refused = 0
 
     def execute(self, sql: str, args: object = ()) -> object:
-        if sql.split(None, 1)[0].upper() in ("INSERT", "DELETE", "UPDATE"):
+        writes = ("COMMIT",) if self.at_commit else ("INSERT", "DELETE", "UPDATE")
+        if sql.split(None, 1)[0].upper() in writes:
             self.refused += 1
             raise sqlite3.OperationalError("database or disk is full")
         return self.real.execute(sql, args)  # type: ignore[arg-type]
@@ -34,7 +36,7 @@ class FullDisk:
         return getattr(self.real, name)
 
 
-def fill_disk(records: RecordStore, monkeypatch: pytest.MonkeyPatch) -> FullDisk:
-    full = FullDisk(records._db)
+def fill_disk(records: RecordStore, monkeypatch: pytest.MonkeyPatch, *, at_commit: bool = False) -> FullDisk:
+    full = FullDisk(records._db, at_commit)
     monkeypatch.setattr(records, "_db", full)
     return full

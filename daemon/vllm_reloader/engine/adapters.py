@@ -125,17 +125,31 @@ def _refusal(exc: EngineError) -> str:
     return str(exc)
 
 
-def recheck(client: EngineClient, names: tuple[str, ...], config: CanaryConfig) -> dict[str, str | None]:
-    """After the base weights changed (or the daemon restarted): each adapter's canary again,
-    and one whose answers are broken is unloaded. By name: why it failed (None: it passed);
-    a name missing was not judged (no answer, or its unload failed: asked again)."""
+@dataclass(frozen=True)
+class Rechecked:
+    found: dict[str, str | None]
+    """By name: why its canary failed (None: it passed); a name missing was not judged (no
+    answer: judged again later)."""
+    unloaded: frozenset[str] = frozenset()
+    """Of those that failed, the ones unloaded (one whose unload failed is still loaded)."""
+
+
+def recheck(client: EngineClient, names: tuple[str, ...], config: CanaryConfig) -> Rechecked:
+    """After the base weights changed (or what an engine holds is not known to have passed):
+    each adapter's canary again, and one whose answers are broken is unloaded. Stops at the
+    first that gets no answer, or whose unload fails."""
     found: dict[str, str | None] = {}
+    unloaded: set[str] = set()
     for name in names:
         finding = canary.examine(client, config, model=name) if config.enabled else None
-        if finding is not None and (not finding.answered or unload(client, name) is not None):
+        if finding is not None and not finding.answered:
             break
         found[name] = finding.reason if finding else None
-    return found
+        if finding is not None:
+            if unload(client, name) is not None:
+                break
+            unloaded.add(name)
+    return Rechecked(found, frozenset(unloaded))
 
 
 def unload(client: EngineClient, name: str) -> str | None:

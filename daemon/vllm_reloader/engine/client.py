@@ -109,7 +109,7 @@ class EngineClient:
             return None
         try:
             return response.json()
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # not JSON, or nested past what parses
             raise EngineCallFailed(f"{path}: answer is not JSON", endpoint=path) from exc
 
     def weight_version(self) -> str:
@@ -296,13 +296,13 @@ class EngineClient:
         try:
             logprobs = body["choices"][0]["logprobs"]
             values = [None if v is None else float(v) for v in logprobs["token_logprobs"]]
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
+        except (KeyError, IndexError, TypeError, ValueError, OverflowError) as exc:  # a 400-digit number too
             raise EngineCallFailed(
                 "/v1/completions: no token_logprobs in answer", endpoint="/v1/completions"
             ) from exc
         try:
             top = [[float(v) for v in step.values()] for step in logprobs.get("top_logprobs") or ()]
-        except (AttributeError, TypeError, ValueError):
+        except (AttributeError, TypeError, ValueError, OverflowError):
             top = []
         return values, top
 

@@ -35,8 +35,7 @@ class AdapterAnswers:
         self.facts, self.metrics, self.tell_fleet, self.forgotten = facts, metrics, tell_fleet, forgotten
 
     def held(self, url: str, found: Mapping[str, str]) -> None:
-        self.facts.held[url] = dict(found)
-        self.facts.checked.pop(url, None)  # what it holds is canaried before anything else
+        self.facts.held[url] = dict(found)  # canaried again if it is not what passed (`owed`)
         self.facts.tidy()
 
     def swapped(self, engine: Engine, canary: bool, result: swapping.Swapped) -> None:
@@ -60,6 +59,8 @@ class AdapterAnswers:
         else:
             if held is not None:
                 held[target.adapter] = target.path
+                base = engine.served.serving.fingerprint if engine.served.serving else None
+                facts.passed(engine.url, base)  # its canary asked the base and every adapter held
             if canary and target.fingerprint not in facts.rejected:  # not recalled while it loaded
                 state.passed(target)
                 self.tell_fleet(target, True, None)
@@ -109,15 +110,20 @@ class AdapterAnswers:
         base: str | None,
         names: tuple[str, ...],
         canary: bool,
-        found: dict[str, str | None],
+        result: swapping.Rechecked,
     ) -> None:
-        facts = self.facts
+        """Each adapter canaried again: one broken on this base is unfit for it (unloaded, or
+        kept out while its unload failed); all judged and every broken one gone, what the
+        engine holds passed on this base."""
+        facts, found, unloaded = self.facts, result.found, result.unloaded
         held = facts.held.get(engine.url)
         if held is None:
             return
         for name, reason in found.items():
             path = held.get(name, "")
             version = facts.versions.get(path)
+            if reason is not None and path:  # broken on this base, unloaded or not: never held as fit
+                facts.unfit.add((facts.content_of(path) or path, base))
             if reason is None:
                 state = facts.known.get(name)
                 fit = version is not None and version.fingerprint not in facts.rejected
@@ -126,16 +132,16 @@ class AdapterAnswers:
                 if version is not None:  # it answers well here now
                     facts.failed_here.pop(f"{engine.url} {version.fingerprint}", None)
                 continue
-            held.pop(name, None)
-            if version is not None:
-                facts.unfit.add((version.fingerprint, base))
-            engine.log.error("adapter.unloaded", adapter=name, cause="base_changed", reason=reason)
-        if set(found) != set(names):  # not all judged (no answer, or an unload failed): ask again
+            if name in unloaded:
+                held.pop(name, None)
+                engine.log.error("adapter.unloaded", adapter=name, cause="base_changed", reason=reason)
+        failed = {name for name, reason in found.items() if reason is not None}
+        if set(found) != set(names) or not failed <= unloaded:  # no answer, or an unload failed: again
             facts.held[engine.url] = None
             wait = facts.backoff.failed((engine.url, RECHECK))  # a slow engine is not asked in a loop
             engine.log.warning("adapter.recheck_failed", adapters=list(names), retry_in_s=wait)
         else:
-            facts.checked[engine.url] = base
+            facts.passed(engine.url, base)
         facts.records.replace(FAILED_KIND, facts.failed_here)
         facts.tidy()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ..checkpoint import adapter as adapter_gate
 from ..checkpoint.adapter import AdapterVersion
@@ -122,6 +122,7 @@ class GateView:
 
 
 FAILED_KIND = "adapter_failed_here"
+CHECKED_KIND = "adapters_checked"
 
 
 @dataclass
@@ -137,8 +138,9 @@ class Holdings:
     listed: frozenset[str] | None = None
     held: dict[str, dict[str, str] | None] = field(default_factory=dict)
     """Engine URL → adapter → the copy it was loaded from (None: ask the engine)."""
-    checked: dict[str, str | None] = field(default_factory=dict)
-    """Engine URL → the base weights (fingerprint) its adapters were last canaried with."""
+    checked: dict[str, tuple[str | None, frozenset[str]]] = field(default_factory=dict)
+    """Engine URL → the base weights (fingerprint) its adapters were last canaried with, and
+    the copies it held then. In the record store: a restarted daemon knows what passed."""
     versions: dict[str, AdapterVersion] = field(default_factory=dict)
     """Copy path → the version it holds (what an engine reports is mapped back by it)."""
     unfit: set[tuple[str, str | None]] = field(default_factory=set)
@@ -151,6 +153,30 @@ class Holdings:
 
     def __post_init__(self) -> None:
         self.failed_here = {str(k): str(v) for k, v in self.records.all(FAILED_KIND).items()}
+        for url, found in self.records.all(CHECKED_KIND).items():
+            if isinstance(found, dict) and isinstance(held := found.get("held"), list):
+                self.checked[str(url)] = (found.get("base"), frozenset(map(str, held)))
+
+    def passed(self, url: str, base: str | None) -> None:
+        """What the engine holds passed its canary on these base weights (the canary of a swap
+        asks every adapter the engine holds, and the base model)."""
+        held = self.held.get(url)
+        if held is not None and self.checked.get(url) != (entry := (base, frozenset(held.values()))):
+            self.checked[url] = entry
+            checked = {u: {"base": b, "held": sorted(p)} for u, (b, p) in self.checked.items()}
+            self.records.replace(CHECKED_KIND, checked)
+
+    def owed(self, url: str, base: str | None) -> Literal["changed", "unknown"] | None:
+        """Whether what the engine holds must be canaried again: `changed`, its base weights
+        changed since (it must not take traffic before); `unknown`, whether it passed is not
+        known (a daemon restarted after an upgrade, adapters loaded by another hand)."""
+        held = self.held.get(url)
+        if not held:
+            return None
+        checked = self.checked.get(url)
+        if checked is not None and checked[0] == base and set(held.values()) <= checked[1]:
+            return None
+        return "changed" if checked is not None and checked[0] != base else "unknown"
 
     def failed(self, url: str, fingerprint: str, reason: str) -> None:
         self.failed_here[f"{url} {fingerprint}"] = reason
@@ -175,9 +201,12 @@ class Holdings:
         content = self.content_of(path)
         if content is None:
             return None
-        for fingerprint, reason in self.rejected.reasons.items():
-            if fingerprint.startswith(content):
-                return f"rejected: {reason}"
+        if content in self.rejected:  # known: one look (a prefix read off a name: each compared)
+            return f"rejected: {self.rejected.reasons[content]}"
+        if path not in self.versions:
+            for fingerprint, reason in self.rejected.reasons.items():
+                if fingerprint.startswith(content):
+                    return f"rejected: {reason}"
         if any(fingerprint.startswith(content) for fingerprint, on in self.unfit if on == base):
             return "its canary failed on these base weights"
         mine = f"{url} {content}"

@@ -110,6 +110,8 @@ class Adapters:
             before = self.source
             if before is not None:  # not waited for: a hung store must not hold the loop up
                 before.close(timeout=0)
+            if before is not None:  # its copies are the new one's to hold, or to let go
+                before.content.hold(before.holder, ())
             if before is not None and before.fleet is not None:  # the new one writes what is left
                 before.fleet.records.detach()
             self.source = self._source(config)
@@ -190,16 +192,20 @@ class Adapters:
         if held is None:  # unknown: no copy may go until it is known
             return Work("adapter list", Ask(client, _adapters), partial(self.answers.held, engine.url))
         base = engine.served.serving.fingerprint if engine.served.serving else None
-        if engine.url not in facts.checked or facts.checked[engine.url] != base:
-            if not held:
-                facts.checked[engine.url] = base
-            elif facts.backoff.waiting((engine.url, RECHECK)):
+        if (owed := facts.owed(engine.url, base)) is not None:  # canaried again before anything
+            if facts.backoff.waiting((engine.url, RECHECK)):
                 return None
-            else:
-                names = tuple(sorted(held))
-                check = partial(swapping.recheck, names=names, config=self.config.canary)
-                then = partial(self.answers.rechecked, engine, base, names, canary)
-                return Work("adapter recheck", Ask(client, check), then)
+            drains = owed == "unknown" and slot.drains  # `changed`: out of rotation already
+            if drains and slot.room <= 0:
+                return None
+            names = tuple(sorted(held))
+            check = partial(swapping.recheck, names=names, config=self.config.canary)
+            then = partial(self.answers.rechecked, engine, base, names, canary)
+            return Work(
+                "adapter recheck", Ask(client, check), then, drains=drains, holds=tuple(held.values())
+            )
+        if not held:
+            facts.passed(engine.url, base)  # nothing held: nothing owed when adapters load
         if slot.drains and slot.room <= 0:
             return None  # a drained swap takes the engine out of rotation: as a reload, it waits
         return self._swap(engine, held, base, slot, canary=canary) or self._unload(engine, held, base, canary)
@@ -261,10 +267,20 @@ class Adapters:
         if held is None:
             return {"adapters": "what adapters it holds is not known yet"}
         base = engine.served.serving.fingerprint if engine.served.serving else None
+        if held and self.facts.owed(engine.url, base) == "changed":
+            return {"adapters": "what it holds is not canaried on its new base weights yet"}
         for name, path in sorted(held.items()):
             if why := self.facts.why_refused(engine.url, path, base):
                 return {"adapters": f"holds {name} {self._version_of(path) or Path(path).name}: {why}"}
         return {}
+
+    def owes(self, engine: Engine) -> bool:
+        """Out of rotation for a canary of ours it owes (its base changed): it counts against
+        the host's budget, as the reload that changed its base did."""
+        if not self.managed:
+            return False
+        base = engine.served.serving.fingerprint if engine.served.serving else None
+        return self.facts.owed(engine.url, base) == "changed"
 
     # -- state -----------------------------------------------------------------------------
 

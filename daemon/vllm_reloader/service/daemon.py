@@ -179,7 +179,9 @@ class Daemon:
             self.adapters.prepare(engines.all)
         engines.settle((loads.standing, self.adapters.standing))  # before new work: what ended is out
         if self.stopping_since is None:
-            engines.tick((loads.plan, self.adapters.plan), self.config, loads.reconciled)
+            engines.tick(
+                (loads.plan, self.adapters.plan), self.config, loads.reconciled, (self.adapters.owes,)
+            )
             self.collector.turn(self.reloader, self.adapters, self.config.state.keep)
         elif not engines.under_way() or time.monotonic() > self._stop_deadline():
             self.stop.set()

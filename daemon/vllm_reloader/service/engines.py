@@ -20,7 +20,7 @@ from .engine import Engine
 from .jobs import Ask, Job, Report
 from .metrics import Metrics
 from .readiness import Rotation
-from .scheduler import Planner, Scheduler, Standing
+from .scheduler import Owing, Planner, Scheduler, Standing
 from .served import Served
 from .state import Loaded
 
@@ -107,11 +107,15 @@ class Engines:
     # -- the loop's turn ------------------------------------------------------------------------
 
     def tick(
-        self, planners: Sequence[Planner], config: Config, reconciled: Callable[[Engine, setup.Learned], None]
+        self,
+        planners: Sequence[Planner],
+        config: Config,
+        reconciled: Callable[[Engine, setup.Learned], None],
+        owing: Sequence[Owing] = (),
     ) -> None:
         scheduler.tick(
             self.schedulers, planners, config=config, rotation=self.rotation, stopping=self.stopping,
-            reconciled=reconciled, now=time.monotonic(),
+            reconciled=reconciled, now=time.monotonic(), owing=owing,
         )  # fmt: skip
 
     def settle(self, standings: Sequence[Standing]) -> None:
@@ -152,6 +156,9 @@ class Engines:
         start with the host's history, dropped ones are let go (after their work, if one runs)."""
         self.config = config
         current = {s.url: s for s in self.schedulers}
+        for back in [s for s in self.retired if s.url in config.urls]:  # back before its work ended:
+            self.retired.remove(back)  # its one thread, never a second beside it
+            current[back.url] = back
         regrouped = []
         for url in config.urls:
             found = current.pop(url, None)

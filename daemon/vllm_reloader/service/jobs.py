@@ -119,7 +119,10 @@ class ReloadWorker(QueueWorker[Job | WarmUp | Ask]):
     def handle(self, job: Job | WarmUp | Ask) -> None:
         started = time.perf_counter()
         if isinstance(job, WarmUp):
-            problem = canary.probe(job.client, job.canary)
+            try:
+                problem = canary.probe(job.client, job.canary)
+            except Exception as exc:  # a bug, or an answer nothing foresaw: said, and the thread lives
+                problem = f"internal error: {type(exc).__name__}: {exc}"[:300]
             self._post(WarmedUp(time.perf_counter() - started, problem, job))
             return
         if isinstance(job, Ask):

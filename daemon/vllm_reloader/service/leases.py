@@ -29,7 +29,7 @@ def declared(reloader: Reloader, adapters: Adapters | None, keep: int) -> dict[s
     held: dict[str, set[str]] = {}
     for engine in engines:  # what it serves, what a failure goes back to, its startup model
         served = engine.served
-        back = [g for g in served.good if g.version == served.rollback][:1]
+        back = [g for g in served.good if g.version == served.rollback]
         mine = {loaded.path for loaded in (served.serving, served.last_good, *back) if loaded is not None}
         held[f"engine:{engine.url}"] = mine | ({served.startup} if served.startup else set())
     for url, paths in engines.holds().items():
@@ -44,8 +44,9 @@ def declared(reloader: Reloader, adapters: Adapters | None, keep: int) -> dict[s
     newer = {name for engine in engines for name in catalog.newer_than(engine.served.serving_key())}
     held["next"] = {str(root / name) for name in newer}
     taken = set().union(*held.values())
+    downloads = catalog.candidates.values() if reloader.config.source.remote else ()  # the cache
     others = sorted(
-        (c for c in catalog.candidates.values() if str(root / c.name) not in taken),
+        (c for c in downloads if str(root / c.name) not in taken),
         key=lambda c: c.key,
         reverse=True,
     )

@@ -41,17 +41,21 @@ FLEETS = {"checkpoints": Path("."), "adapters": Path("adapter-fleet")}
 
 
 def migrate(records: RecordStore, directory: Path, log: Any) -> None:
-    if records.meta(IMPORTED) is not None:
-        _rename(directory, _files(directory))  # a crash between the import and the renames
-        return
+    """Whatever JSON files are there are imported, each time they are: at the first start after
+    an upgrade, and after going back a release and forward again (that release wrote its facts
+    there since: they are the newer ones). A crash between the import and the renames imports
+    the same again, harmlessly (a verdict written twice is found there, and kept)."""
     files = _files(directory)
     if not files:
-        records.set_meta(IMPORTED, str(time.time()))
+        if records.meta(IMPORTED) is None:
+            records.set_meta(IMPORTED, str(time.time()))
         return
     found: dict[str, object] = {}
     state = _read(directory / "state.json", log, lambda data: State.model_validate_json(data))
     rejected = _read(directory / "adapters.json", log, _adapter_rejections)
+    committed: list[bool] = []
     with records.transaction():
+        records.ended(committed.append)
         if state is not None:
             StateRecords(records, log).save(state)
             found["state.json"] = {"rejected": len(state.rejected), "good": len(state.good)}
@@ -68,7 +72,7 @@ def migrate(records: RecordStore, directory: Path, log: Any) -> None:
             if instance is not None:
                 records.set_meta(f"instance:{fleet}", instance)
         records.set_meta(IMPORTED, str(time.time()))
-    if records.failed:  # said by the store; the files stay, and are imported at the next start
+    if not committed[0]:  # said by the store; the files stay, and are imported at the next start
         return
     _rename(directory, files)
     log.info("state.migrated", path=str(records.path), imported=found, renamed_to=f"<name>{MIGRATED}")

@@ -73,6 +73,8 @@ class Slot:
 Planner = Callable[[Engine, Slot], Work | None]
 Standing = Callable[[Engine], Mapping[str, str]]
 """Why an engine must not take traffic, by cause, from an owner's facts (empty: nothing)."""
+Owing = Callable[[Engine], bool]
+"""Whether an owner keeps the engine out for work of ours it owes (it counts in the budget)."""
 
 
 class Scheduler:
@@ -100,8 +102,10 @@ class Scheduler:
 
     @property
     def unavailable(self) -> bool:
-        """Whether its work counts against the host's budget."""
-        return self.work is not None and (self.work.pauses or self.drained)
+        """Whether it counts against the host's budget: work of ours has it paused or drained,
+        or it is paused waiting for its resume (an owner may count it too: `Owing`)."""
+        working = self.work is not None and (self.work.pauses or self.drained)
+        return working or self.engine.served.resume_owed
 
     def start(self, work: Work, drain: Drain | None) -> None:
         run = work.run
@@ -228,6 +232,7 @@ def tick(
     stopping: threading.Event,
     reconciled: Callable[[Engine, setup.Learned], None],
     now: float,
+    owing: Sequence[Owing] = (),
 ) -> None:
     """Start, on each idle engine (the canary engine first), the first work owed: its own
     upkeep, else the planners' in their order. Budget: pausing or draining work only while
@@ -237,7 +242,7 @@ def tick(
             continue
         work = scheduler.upkeep(now, config, reconciled)
         drains = _drains(config.readiness, rotation, scheduler.url)
-        slot = Slot(room=room(schedulers, config.engine.max_unavailable), drains=drains)
+        slot = Slot(room=room(schedulers, config.engine.max_unavailable, owing), drains=drains)
         for planner in planners:
             if work is not None:
                 break
@@ -248,9 +253,9 @@ def tick(
         scheduler.start(work, drain if work.drains and drains else None)
 
 
-def room(schedulers: Iterable[Scheduler], max_unavailable: int) -> int:
+def room(schedulers: Iterable[Scheduler], max_unavailable: int, owing: Sequence[Owing] = ()) -> int:
     """How many more engines may be paused or drained now: one budget, every kind of work."""
-    return max_unavailable - sum(s.unavailable for s in schedulers)
+    return max_unavailable - sum(s.unavailable or any(o(s.engine) for o in owing) for s in schedulers)
 
 
 def settle(schedulers: Iterable[Scheduler], rotation: Rotation, standings: Sequence[Standing]) -> None:

@@ -77,7 +77,7 @@ class State(BaseModel):
 class StateRecords:
     """The checkpoints' facts in the record store (kinds `checkpoint` and `rejected`), written
     whole in one transaction whenever they change: a write the disk failed is written again
-    at the next change (`records.failed`)."""
+    at the next change."""
 
     def __init__(self, records: RecordStore, log: Any) -> None:
         self.records, self.log = records, log
@@ -112,7 +112,11 @@ class StateRecords:
         with self.records.transaction():
             self.records.replace("checkpoint", {key: facts[key] for key in ("serving", "good", "pinned")})
             self.records.replace("rejected", facts["rejected"])
-        if not self.records.failed:
+            self.records.ended(lambda committed: self._saved(new, committed))
+
+    def _saved(self, new: State, committed: bool) -> None:
+        """Saved only once committed (the transaction it is in may be a caller's)."""
+        if committed:
             self.saved = new
 
 

@@ -6,7 +6,7 @@ and converter outputs (`ROOT/NAME@fp`) are entries of one store, registered in t
 a lease (`leases`): what an engine serves or holds, a load or a swap under way and what it would
 go back to, the rollback history, the pin, a gate reading it, what would load next, the newest
 few kept as a cache. As containerd's collector: an entry no lease holds may be collected; one
-the daemon did not make never is.
+the daemon did not make never is, nor a converter's output (it lies in the trainer's root).
 
 The collector runs on the loop, where every lease but the sources' own is known: the loop's
 owners declare what they hold (`hold`, whole each time) just before it runs, so no lease is a
@@ -30,6 +30,9 @@ Kind = Literal["download", "adapter", "converted"]
 ALL = "*"
 """A path held by a lease of `ALL:<kind>`: every entry of that kind is kept."""
 SOURCE_HOLDER = "source:"
+NEVER_COLLECTED: frozenset[Kind] = frozenset({"converted"})
+"""A converter's outputs are placed in the trainer's root, which other daemons may read (the
+converter lets another daemon on the root convert): registered, never deleted by one of them."""
 """How the holders a source thread declares from its own thread begin (the loop's do not)."""
 
 
@@ -99,7 +102,7 @@ class ContentStore:
         blocked = {path.removeprefix(f"{ALL}:") for path in leases if path.startswith(f"{ALL}:")}
         deleted = []
         for path, kind, _made in entries:
-            if kind in blocked or path in leases:
+            if kind in blocked or kind in NEVER_COLLECTED or path in leases:
                 continue
             if _remove(Path(path)):
                 self.records.drop_content(path)

@@ -32,7 +32,7 @@ from ..errors import Cancelled, DownloadError, SourceError
 from ..records import RecordStore
 from ..threads import LoopWorker
 from . import cache, local, verdicts
-from .content import ContentStore
+from .content import SOURCE_HOLDER, ContentStore
 from .download import Fetched, Plan, fetch, remember
 from .listing import BucketListing, HeaderSizes, by_head, judge
 from .objstore import Object, Store
@@ -361,7 +361,9 @@ class RemoteSource(LoopWorker):
         if seen.signal == SINGLE_NAME and fetched.path is not None:
             cache.backdate(fetched.path, max(o.modified for o in objects.values()))
         if fetched.path is not None:
-            self.content.made(fetched.path, "download")  # collected once nothing holds it
+            with self.content.records.transaction():  # held until the loop has seen it
+                self.content.made(fetched.path, "download")
+                self.content.hold(f"{SOURCE_HOLDER}remote", [fetched.path])
             remember(self.verified_files, fetched)
         self.log.info(
             "download.finished",

@@ -201,8 +201,13 @@ class Fleet:
     def add(self, verdict: Verdict) -> None:
         """From the loop: a verdict to write, kept in the record store before it is tried (in the
         transaction of the decision it tells, where the caller has one)."""
-        self.records.outbox_add(self.fleet, asdict(verdict))
-        if self.records.failed:
+        with self.records.transaction():
+            self.records.outbox_add(self.fleet, asdict(verdict))
+            self.records.ended(lambda committed: self._kept(verdict, committed))
+
+    def _kept(self, verdict: Verdict, committed: bool) -> None:
+        """One the record store could not take is kept in memory, and added again first."""
+        if not committed:
             with self._lock:
                 self.unkept.append(verdict)
 
@@ -250,8 +255,11 @@ class Fleet:
                 with self._lock:
                     self.unkept.remove(v)
             else:
-                self.records.outbox_done(row)
-                if self.records.failed:  # written, and still in the outbox: written again later
+                done: list[bool] = []
+                with self.records.transaction():
+                    self.records.outbox_done(row)
+                    self.records.ended(done.append)
+                if not done[0]:  # written, and still in the outbox: written again later
                     return False
             self._written_since += 1
         if self.write_problem is not None:
