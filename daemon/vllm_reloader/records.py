@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from . import failpoints
 from .errors import StateError
@@ -42,6 +42,7 @@ OPEN_BACKOFF_S = 0.1
 """A file that cannot be read is tried `OPEN_TRIES` times, waiting 0.1, 0.2, 0.4 s between."""
 _CORRUPT = {"SQLITE_CORRUPT", "SQLITE_NOTADB"}
 _pause = threading.Event()  # never set: its wait() is an interruptible sleep
+T = TypeVar("T")
 
 _TABLES = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -89,37 +90,15 @@ class RecordStore:
         """The store in `directory` (made when there is none). `StateError` when it cannot be
         read after retries; a corrupt one is set aside and a new one made."""
         path = directory / NAME
-        wait = OPEN_BACKOFF_S
-        for attempt in range(1, OPEN_TRIES + 1):
-            try:
-                return cls(_connect(path), path, log)
-            except Corrupt as exc:
-                aside = _set_aside(path)
-                log.error(
-                    "state.corrupt",
-                    path=str(path),
-                    moved_to=str(aside),
-                    reason=f"{exc}: starting from what the engines say",
-                )
-                return cls(_connect(path), path, log)
-            except (sqlite3.Error, OSError) as exc:
-                reason, last = _reason(exc), attempt == OPEN_TRIES
-                log.warning(
-                    "state.unreadable",
-                    path=str(path),
-                    reason=reason,
-                    attempt=attempt,
-                    of=OPEN_TRIES,
-                    retry_in_s=None if last else round(wait, 3),
-                )
-                if last:
-                    raise StateError(
-                        f"cannot read {path}: {reason} ({OPEN_TRIES} tries); not starting without the "
-                        "pin, rollback history and rejections it holds (exit 1: systemd tries again)"
-                    ) from exc
-                _pause.wait(wait)
-                wait *= 2
-        raise AssertionError("unreachable")  # pragma: no cover
+        try:
+            return cls(read_to_start(lambda: _connect(path), path, log), path, log)
+        except Corrupt as exc:
+            aside = _set_aside(path)
+            log.error(
+                "state.corrupt", path=str(path), moved_to=str(aside),
+                reason=f"{exc}: starting from what the engines say",
+            )  # fmt: skip
+            return cls(_connect(path), path, log)
 
     @classmethod
     def reader(cls, directory: Path, log: Any) -> RecordStore:
@@ -330,6 +309,31 @@ class RecordStore:
         for path, holder in self._read("SELECT path, holder FROM leases"):
             held.setdefault(str(path), set()).add(str(holder))
         return held
+
+
+def read_to_start(read: Callable[[], T], path: Path, log: Any) -> T:
+    """The one policy for what the daemon must read to start (the record store, the previous
+    release's files): an error reading it (EACCES, EIO, a disk's bad moment) is tried again
+    `OPEN_TRIES` times, each said (`state.unreadable`), then `StateError` (exit 1: systemd
+    starts the daemon again) — never taken for empty, never written over."""
+    wait = OPEN_BACKOFF_S
+    for attempt in range(1, OPEN_TRIES + 1):
+        try:
+            return read()
+        except (sqlite3.Error, OSError) as exc:
+            reason, last = _reason(exc), attempt == OPEN_TRIES
+            log.warning(
+                "state.unreadable", path=str(path), reason=reason, attempt=attempt, of=OPEN_TRIES,
+                retry_in_s=None if last else round(wait, 3),
+            )  # fmt: skip
+            if last:
+                raise StateError(
+                    f"cannot read {path}: {reason} ({OPEN_TRIES} tries); not starting without what it "
+                    "holds (the pin, rollback history, rejections): exit 1, systemd tries again"
+                ) from exc
+            _pause.wait(wait)
+            wait *= 2
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _connect(path: Path) -> sqlite3.Connection:

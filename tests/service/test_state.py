@@ -117,11 +117,11 @@ def test_migrate_a_file_that_cannot_be_read_stops_the_start_and_nothing_is_lost_
         return real(path)
 
     monkeypatch.setattr(Path, "read_bytes", read_bytes)
-    monkeypatch.setattr(migrate, "READ_BACKOFF_S", 0.001)
+    monkeypatch.setattr(records_mod, "OPEN_BACKOFF_S", 0.001)
     records = open_records(tmp_path)
     with capture_logs() as logs, pytest.raises(StateError, match=rf"cannot read .*{name}: {error.strerror}"):
         migrate.migrate(records, tmp_path, structlog.get_logger())
-    assert [e["event"] for e in logs] == ["state.unreadable"] * migrate.READ_TRIES
+    assert [e["event"] for e in logs] == ["state.unreadable"] * records_mod.OPEN_TRIES
     assert records.meta(migrate.IMPORTED) is None and records.all("adapter_rejected") == {}
     assert real(tmp_path / name) == held and not list(tmp_path.rglob("*.migrated"))
     monkeypatch.undo()
@@ -163,7 +163,7 @@ def test_daemon_whose_adapter_rejections_cannot_be_read_exits_1_and_never_loads_
         return real(found)
 
     monkeypatch.setattr(Path, "read_bytes", read_bytes)
-    monkeypatch.setattr(migrate, "READ_BACKOFF_S", 0.001)
+    monkeypatch.setattr(records_mod, "OPEN_BACKOFF_S", 0.001)
     monkeypatch.setattr(Daemon, "run", lambda _self: 99)  # started after all: say so, do not hang
     assert cli.main(["run", "--config", str(path)]) == 1
     out, err = capsys.readouterr()
@@ -173,7 +173,7 @@ def test_daemon_whose_adapter_rejections_cannot_be_read_exits_1_and_never_loads_
     assert err.count("\n") == 1 and "Traceback" not in err
     assert [json.loads(line)["event"] for line in out.splitlines()] == [
         "state.unreadable"
-    ] * migrate.READ_TRIES
+    ] * records_mod.OPEN_TRIES
 
 
 def test_state_file_of_the_previous_release_keeps_pin_rejections_and_history(

@@ -323,3 +323,20 @@ def test_converter_offered_a_content_at_every_verdict_runs_it_once_then_only_aft
     failed = [e for e in logs if e["event"] == "checkpoint.convert_failed"]
     assert 1 < len(runs) <= 2 and len(failed) == len(runs), "no duplicate queued behind a run"
     assert posted.empty(), "no rejection: the checkpoint is not at fault"
+
+
+def test_converter_rejects_once_a_content_whose_output_the_filesystem_cannot_name(
+    convert, tmp_path, make_checkpoint, monkeypatch
+):
+    """A name as long as the filesystem allows has no room for `@<fingerprint>`: rejected once
+    (`local`: this host's filesystem), not tried again after a backoff for ever."""
+    root, start, posted = convert
+    long_name = "s" * 240
+    (root / "step-5").rename(root / long_name)
+    running = start(converter(tmp_path, "copy", COPYING, make_checkpoint("made", root=tmp_path / "made")))
+    running.consider(long_name, root / long_name, WHOLE)
+    rejected = posted.get(timeout=30)
+    assert isinstance(rejected, Rejected) and rejected.check == "local" and "too long" in rejected.reason
+    running.consider(long_name, root / long_name, WHOLE)  # asked again: converted once
+    with pytest.raises(queue.Empty):
+        posted.get(timeout=1.0)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -24,16 +23,13 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from ..errors import StateError
-from ..records import RecordStore
+from ..records import RecordStore, read_to_start
 from ..sources.verdicts import Verdict
 from .state import State, StateRecords
 
 IMPORTED = "imported"
 """The meta key saying the JSON files were imported (when)."""
-READ_TRIES = 4
-READ_BACKOFF_S = 0.1
 MIGRATED = ".migrated"
-_pause = threading.Event()  # never set: its wait() is an interruptible sleep
 _VERDICTS = TypeAdapter(list[Verdict])
 _ADAPTER_REJECTIONS = TypeAdapter(dict[str, dict[str, str]])
 FLEETS = {"checkpoints": Path("."), "adapters": Path("adapter-fleet")}
@@ -97,32 +93,17 @@ def _rename(directory: Path, files: list[Path]) -> None:
 
 def _read(path: Path, log: Any, parse: Callable[[bytes], Any]) -> Any:
     """What the file holds (parsed); None when there is none or it was set aside as corrupt.
-    `StateError` when it cannot be read, after retries."""
-    wait = READ_BACKOFF_S
-    for attempt in range(1, READ_TRIES + 1):
+    `StateError` when it cannot be read, after retries (`records.read_to_start`)."""
+
+    def read() -> bytes | None:
         try:
-            data = path.read_bytes()
-            break
+            return path.read_bytes()
         except FileNotFoundError:
             return None
-        except OSError as exc:
-            reason = exc.strerror or str(exc) or type(exc).__name__
-            last = attempt == READ_TRIES
-            log.warning(
-                "state.unreadable",
-                path=str(path),
-                reason=reason,
-                attempt=attempt,
-                of=READ_TRIES,
-                retry_in_s=None if last else round(wait, 3),
-            )
-            if last:
-                raise StateError(
-                    f"cannot read {path}: {reason} ({READ_TRIES} tries); not starting without what "
-                    "it holds (exit 1: systemd tries again)"
-                ) from exc
-            _pause.wait(wait)
-            wait *= 2
+
+    data = read_to_start(read, path, log)
+    if data is None:
+        return None
     try:
         return parse(data)
     except (ValidationError, ValueError, RecursionError) as exc:

@@ -44,6 +44,7 @@ from ..retry import Backoff, Policy
 from ..threads import QueueWorker
 from .content import ContentStore
 from .download import place
+from .local import name_too_long
 from .remote import Downloaded, Rejected
 
 CHECK = "converter"
@@ -172,6 +173,9 @@ class Converter(QueueWorker[Conversion]):
 
     def _convert(self, job: Conversion) -> Downloaded | Rejected | None:
         staging = job.root / f"{STAGING_PREFIX}{job.placed}"
+        if too_long := name_too_long(job.root, staging.name + LOCK_SUFFIX):  # once, not retried
+            why = f"its output cannot be placed: {too_long}"
+            return Rejected(job.name, "", why, job.fingerprint, "local")
         try:
             with _owned(staging.with_name(staging.name + LOCK_SUFFIX)) as owned:
                 if os.path.lexists(job.root / job.placed):  # converted before (a restart, another daemon)
