@@ -16,7 +16,6 @@ from ..config import Config, EngineConfig
 from ..engine.client import (
     BUILTIN_LOADER_FIX,
     BUILTIN_LOADER_RISK,
-    RELOADING_PREFIX,
     STARTUP_VERSION,
     EngineClient,
 )
@@ -188,8 +187,3 @@ class Engine:
         """Said once the record store holds what it means (whoever reads it on the line finds it)."""
         fields = {"version": serving.version, "path": serving.path, "engine_reported": version}
         self.log.info("engine.reconciled", **fields, **learned.found.logged())
-
-    @property
-    def weights_unknown(self) -> bool:
-        serving = self.served.serving
-        return serving is None or serving.name.startswith(RELOADING_PREFIX)
