@@ -64,7 +64,9 @@ def haproxy_config(listen: int, engines: Sequence[str], readiness_port: int, sta
         # vLLM (uvicorn) closes a connection idle for 5 s; an engine out of rotation for a reload
         # idles longer, and HAProxy reusing such a connection just as it closes drops the client's
         # request without an answer ("Server disconnected"): retry it on another connection.
-        "  retry-on conn-failure empty-response\n  retries 3\n"
+        # HAProxy retries only a request it had whole before sending it (httpx writes the
+        # headers and the body apart): wait for the body first.
+        "  retry-on conn-failure empty-response\n  retries 3\n  option http-buffer-request\n"
         "  http-check send meth GET uri-lf /ready/%[srv_name]\n  http-check expect status 200\n"
         f"  default-server inter {int(CHECK_INTERVAL * 1000)}ms fall 1 rise 1\n"
         "  http-response set-header X-Served-By %[srv_name]\n" + servers

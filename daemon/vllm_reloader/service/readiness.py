@@ -40,15 +40,36 @@ REQUEST_DEADLINE = 5.0
 trickling a byte a second holds a slot this long at most."""
 
 
+@dataclass(frozen=True)
+class _Read:
+    """A health checker's last read of an engine."""
+
+    at: float
+    """When (monotonic)."""
+    ready_in_a_row: int
+    """How many of its reads of it in a row, this one included, said ready (0: it said out)."""
+
+    @property
+    def ready(self) -> bool:
+        return self.ready_in_a_row > 0
+
+    @property
+    def seen_back(self) -> bool:
+        """Ready, and read again since: a checker asks again only once it has taken in the
+        answer before, so the balancer has it back (a slow answer still on its way does not
+        count: the next engine drained meanwhile would leave the balancer with none)."""
+        return self.ready_in_a_row >= 2
+
+
 class Rotation:
     def __init__(self, urls: Sequence[str]) -> None:
         self._lock = threading.Lock()
         self.urls: tuple[str, ...] = ()
         self._out: dict[str, dict[str, str]] = {}
         """url → why it is out, by cause ("down", "drain"): ready when there is none."""
-        self._reads: dict[tuple[str, str], tuple[float, bool]] = {}
-        """(reader, url) → when that health checker last read it (monotonic), and whether it
-        read "ready": what each balancer last saw (a pair of HAProxies: two readers)."""
+        self._reads: dict[tuple[str, str], _Read] = {}
+        """(reader, url) → that health checker's last read of it: what each balancer last saw
+        (a pair of HAProxies: two readers)."""
         self._readers: dict[str, float] = {}
         """reader → when it last read any engine: one silent for long is gone."""
         self.track(urls)
@@ -90,18 +111,18 @@ class Rotation:
 
     def others_ready(self, url: str, *, seen_within: float | None = None) -> bool:
         """Whether another engine takes traffic now (else taking this one out leaves none);
-        `seen_within`: and every health checker that read it in the last so many seconds
-        last read it ready (one just put back takes no traffic until they have seen it back)."""
+        `seen_within`: and every health checker that read it in the last so many seconds has
+        seen it back (one just put back takes no traffic until they have)."""
         with self._lock:
             return self._others_ready(url, seen_within)
 
     def _others_ready(self, url: str, seen_within: float | None) -> bool:
         def seen_ready(other: str) -> bool:
-            return seen_within is None or all(ready for _, ready in self._recent(other, seen_within))
+            return seen_within is None or all(read.seen_back for read in self._recent(other, seen_within))
 
         return any(self._why(o) is None and seen_ready(o) for o in self.urls if o != url)
 
-    def _recent(self, url: str, within: float) -> list[tuple[float, bool]]:
+    def _recent(self, url: str, within: float) -> list[_Read]:
         """The last read of `url` by each checker that read any engine in the last `within` s."""
         now = time.monotonic()
         return [
@@ -125,7 +146,9 @@ class Rotation:
             why, now = self._why(url), time.monotonic()
             self._forget_readers(now)
             if url in self._out and (reader in self._readers or len(self._readers) < MAX_READERS):
-                self._reads[reader, url] = (now, why is None)
+                last = self._reads.get((reader, url))
+                streak = (last.ready_in_a_row if last is not None else 0) + 1 if why is None else 0
+                self._reads[reader, url] = _Read(now, streak)
                 self._readers[reader] = now
             return why
 
@@ -140,7 +163,7 @@ class Rotation:
         """Whether a health checker that reads these engines (one read in the last `within` s)
         has not read this one out since `since`: that balancer may still send it traffic."""
         with self._lock:
-            return any(at < since or ready for at, ready in self._recent(url, within))
+            return any(read.at < since or read.ready for read in self._recent(url, within))
 
     def watched(self, within: float) -> bool:
         """Whether a balancer checks these engines: one was read in the last `within` seconds
