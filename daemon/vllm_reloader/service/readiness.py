@@ -42,23 +42,23 @@ trickling a byte a second holds a slot this long at most."""
 
 @dataclass(frozen=True)
 class _Read:
-    """A health checker's last read of an engine."""
+    """A health checker's last read of an engine, and how many before it said the same."""
 
     at: float
     """When (monotonic)."""
-    ready_in_a_row: int
-    """How many of its reads of it in a row, this one included, said ready (0: it said out)."""
+    ready: bool
+    in_a_row: int
+    """How many of its reads of it in a row, this one included, said the same."""
 
     @property
-    def ready(self) -> bool:
-        return self.ready_in_a_row > 0
+    def taken_in(self) -> bool:
+        """Read again since the read before said the same: a checker asks again only once it
+        has taken in its last answer, so the balancer acts on it now (one answer alone may still
+        be on its way: a slow check on a busy host takes most of a second)."""
+        return self.in_a_row >= 2
 
-    @property
-    def seen_back(self) -> bool:
-        """Ready, and read again since: a checker asks again only once it has taken in the
-        answer before, so the balancer has it back (a slow answer still on its way does not
-        count: the next engine drained meanwhile would leave the balancer with none)."""
-        return self.ready_in_a_row >= 2
+    def then(self, at: float, ready: bool) -> _Read:
+        return _Read(at, ready, self.in_a_row + 1 if ready == self.ready else 1)
 
 
 class Rotation:
@@ -118,7 +118,8 @@ class Rotation:
 
     def _others_ready(self, url: str, seen_within: float | None) -> bool:
         def seen_ready(other: str) -> bool:
-            return seen_within is None or all(read.seen_back for read in self._recent(other, seen_within))
+            reads = self._recent(other, seen_within) if seen_within is not None else []
+            return all(read.ready and read.taken_in for read in reads)
 
         return any(self._why(o) is None and seen_ready(o) for o in self.urls if o != url)
 
@@ -147,8 +148,8 @@ class Rotation:
             self._forget_readers(now)
             if url in self._out and (reader in self._readers or len(self._readers) < MAX_READERS):
                 last = self._reads.get((reader, url))
-                streak = (last.ready_in_a_row if last is not None else 0) + 1 if why is None else 0
-                self._reads[reader, url] = _Read(now, streak)
+                ready = why is None
+                self._reads[reader, url] = last.then(now, ready) if last else _Read(now, ready, 1)
                 self._readers[reader] = now
             return why
 
@@ -161,9 +162,11 @@ class Rotation:
 
     def unseen_since(self, url: str, since: float, within: float) -> bool:
         """Whether a health checker that reads these engines (one read in the last `within` s)
-        has not read this one out since `since`: that balancer may still send it traffic."""
+        has not read this one out since `since` and taken that in: that balancer may still send
+        it traffic."""
         with self._lock:
-            return any(read.at < since or read.ready for read in self._recent(url, within))
+            reads = self._recent(url, within)
+            return any(read.at < since or read.ready or not read.taken_in for read in reads)
 
     def watched(self, within: float) -> bool:
         """Whether a balancer checks these engines: one was read in the last `within` seconds
