@@ -67,6 +67,7 @@ def test_e2e_haproxy_sends_no_client_to_a_paused_or_unverified_engine_through_up
     assert run.updates and run.quiet, "clients were answered before and through the updates"
     failed = [a for a in answers if a.status != 200]
     assert failed == [], f"no request failed: {_around(run, failed[0]) if failed else ''}"
+    assert all(a.passed_on for a in answers), "HAProxy says when it passed each request on"
     assert len(set(run.good.values())) == 4, f"each good version answers its own way: {run.good}"
     foreign = [a for a in answers if a.text not in run.good.values()]
     assert foreign == [], "an answer from no good version: the failing checkpoint's"
