@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -160,6 +161,26 @@ def test_service_sigkill_then_restart_does_not_reload_needlessly(service, make_c
     time.sleep(0.5)
     assert [c for c in engine.calls if c.startswith("reload:")] == reloads
     assert second.stop() == 0
+
+
+def test_service_says_ready_again_until_systemd_takes_it(service):
+    """systemd's notify queue full (it reads late; 10 datagrams by default): the READY=1 the
+    daemon sends is dropped, and it must send it again, or systemd kills it at TimeoutStartSec."""
+    start, _engine, notify, _config, _root = service
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK) as filler:
+        queued = 0
+        while True:
+            try:
+                filler.sendto(b"STATUS=stale", str(notify.path))
+            except BlockingIOError:
+                break
+            queued += 1
+    assert queued >= 1
+    daemon = start()
+    daemon.wait_for("engine.warmed")
+    time.sleep(0.5)  # its first READY=1 went nowhere
+    notify.wait_for("READY=1")  # reads the stale ones first, then what it sends now
+    assert daemon.stop() == 0
 
 
 def test_service_sigkill_mid_reload_then_restart_converges(service, make_checkpoint):

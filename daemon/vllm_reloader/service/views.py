@@ -72,8 +72,9 @@ class Reporting:
         now = status.line(found)
         engines = reloader.engines
         if not self.ready_sent and reloader.served.reconciled and engines.idle(engines.canary):
-            self.ready_sent = True
-            self.notifier.ready(now)
+            # Until it is taken: a READY=1 dropped (systemd's queue full) would leave the start
+            # job waiting, and systemd would kill the daemon at TimeoutStartSec.
+            self.ready_sent = self.notifier.ready(now) or not self.notifier.enabled
         elif not self.ready_sent:
             self.notifier.extend_timeout(config.engine.retry_max + 30)
         if now != self.last_status:
