@@ -88,6 +88,7 @@ print(sorted(m for m in sys.modules if m.startswith("vllm_reloader")))
             "vllm_reloader.checkpoint.files",
             "vllm_reloader.errors",
             "vllm_reloader.extension",
+            "vllm_reloader.extension.probe",
             "vllm_reloader.extension.readers",
             "vllm_reloader.extension.worker",
             "vllm_reloader.failpoints",

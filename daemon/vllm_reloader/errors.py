@@ -127,13 +127,23 @@ class ReloadFailed(EngineError):
     `engine_up` whether the engine still answers, `changed` whether the cause was a writer
     changing the files under the load (not the checkpoint's fault: it is checked again),
     `refused` whether vLLM refused the load for want of device memory (the engine's
-    condition: retried later, the checkpoint not blamed)."""
+    condition: retried later, the checkpoint not blamed), `probed` whether the forward pass
+    inside the pause found the new weights broken (the fallback was loaded back before any
+    client saw them)."""
 
     def __init__(
-        self, message: str, *, restored: bool, engine_up: bool, changed: bool = False, refused: bool = False
+        self,
+        message: str,
+        *,
+        restored: bool,
+        engine_up: bool,
+        changed: bool = False,
+        refused: bool = False,
+        probed: bool = False,
     ) -> None:
         super().__init__(message, endpoint="/collective_rpc")
         self.restored = restored
         self.engine_up = engine_up
         self.changed = changed
         self.refused = refused
+        self.probed = probed

@@ -94,6 +94,13 @@ DOCTORINGS = {
         "checkpoint_path",
         "reload_weights takes no weights_iterator/weights_path",
     ),
+    "probe's forward pass renamed": (
+        CPU_BUILD,
+        "vllm/v1/worker/gpu_model_runner.py",
+        "def _dummy_run(",
+        "def _dummy_forward(",
+        "GPUModelRunner._dummy_run(num_tokens, ...) is gone",
+    ),
     "pause mode dropped": (
         CPU_BUILD,
         "vllm/v1/engine/__init__.py",

@@ -214,19 +214,19 @@ def test_e2e_nan_weights_never_reach_the_engine(world: World):
 
 
 @pytest.mark.oldest
-def test_e2e_exploding_weights_are_rolled_back_by_the_canary(world: World):
-    """Finite weights, every check passes, but the forward pass overflows: only the canary can tell."""
+def test_e2e_exploding_weights_are_loaded_back_inside_the_pause_by_the_probe(world: World):
+    """Finite weights, every check of the gate passes, but the forward pass overflows: the probe
+    finds it on the engine, still paused, and the good weights are back before the resume."""
 
     name, staged = world.stage("B")
     _rewrite_weights(staged, lambda t: (t.float() * 1e15).to(t.dtype))  # activations overflow to Inf
     list_files(staged, name, step=_next_step_above_serving(world))
     staged.rename(world.root / name)
     rolled = world.daemon.wait_for("reload.rolled_back", version=name, timeout=120)
-    assert rolled["to_version"] == world.serving and rolled["cause"] == "canary"
-    # vLLM kept the bad weights' NaN keys/values in freed KV blocks: probes took them first.
-    assert rolled["clean_after_probes"] is not None
+    assert rolled["to_version"] == world.serving and rolled["cause"] == "probe"
+    assert "clean_after_probes" not in rolled, "no request ran on them: no KV block to flush"
     rejected = world.daemon.wait_for("checkpoint.rejected", name=name)
-    assert rejected["check"] == "canary"
+    assert rejected["check"] == "probe" and "not finite" in str(rejected["reason"])
     world.assert_unchanged()
 
 

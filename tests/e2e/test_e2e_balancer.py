@@ -1,6 +1,6 @@
 """Zero exposure: a real HAProxy in front of two real CPU vLLM engines, health-checking the
 daemon's readiness endpoint (`[readiness] drain = true`), clients on it all along, through
-three rolling updates and one checkpoint whose canary fails. No request fails, none is
+three rolling updates and one checkpoint that breaks the forward pass. No request fails, none is
 answered by an engine while it is paused, no engine is paused while HAProxy still sends it
 traffic, and no client ever gets an answer from the failing checkpoint. The same run with
 drain off, side by side, is bench/drain.py."""
@@ -81,7 +81,7 @@ def test_e2e_haproxy_sends_no_client_to_a_paused_or_unverified_engine_through_up
     assert {a.server for a in run.updates} == {"0", "1"}
 
     rolled = run.events("reload.rolled_back", engine=first, version="step-5")
-    assert len(rolled) == 1 and rolled[0]["cause"] == "canary" and rolled[0]["to_version"] == "step-4"
+    assert len(rolled) == 1 and rolled[0]["cause"] == "probe" and rolled[0]["to_version"] == "step-4"
     assert not run.events("reload.started", engine=second, version="step-5"), "the follower never had it"
     for url, server in ((first, "0"), (second, "1")):
         # Each pause held 2.5 s (a sampler's read takes up to 1 s on a saturated host): every

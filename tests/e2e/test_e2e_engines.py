@@ -100,6 +100,8 @@ def test_e2e_two_engines_roll_canary_first_stop_a_bad_version_and_bring_a_restar
             state_dir=tmp_path / "state",
             engine_extra="check_interval = 0.5\n",
         )
+        with config.open("a") as f:  # the canary alone judges (the probe: tests/e2e/test_e2e_probe.py)
+            f.write("[canary]\nprobe = false\n")
         daemon = DaemonProcess(config)
         for engine in engines:
             daemon.wait_for("engine.reconciled", engine=engine.url, version="step-1", timeout=120)

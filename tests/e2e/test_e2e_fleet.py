@@ -147,7 +147,7 @@ def test_e2e_fleet_rewritten_name_failed_on_the_canary_host_never_reaches_the_fo
 
         rewrite(bucket, v2, "latest")
         rolled = canary.wait_for("reload.rolled_back", version="latest", timeout=120)
-        assert rolled["cause"] == "canary" and rolled["to_version"] == "latest"
+        assert rolled["cause"] == "probe" and rolled["to_version"] == "latest"
         failed = canary.wait_for("verdict.recorded", name="latest", verdict="failed", timeout=30)
         assert v2_fingerprint in str(failed["key"]), "the record is keyed by the content it judged"
         rejected = follower.wait_for("checkpoint.rejected", name="latest", check="canary", timeout=30)

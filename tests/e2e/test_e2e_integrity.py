@@ -135,7 +135,7 @@ def test_e2e_rollback_goes_to_an_intact_checkpoint_when_the_last_good_one_was_de
     list_files(staged, name, step=bad_step)
     staged.rename(world.root / name)
     rolled = world.daemon.wait_for("reload.rolled_back", version=name, timeout=120)
-    assert rolled["to_version"] == older and rolled["cause"] == "canary"
+    assert rolled["to_version"] == older and rolled["cause"] == "probe"
     world.serving, world.expected = older, older_answers
     world.assert_unchanged()
 

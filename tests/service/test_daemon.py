@@ -284,7 +284,8 @@ def test_daemon_picks_strategy_and_loader_from_what_the_engine_was_started_with(
         assert "/sleep?level=2&mode=keep" in sleeps and engine.asleep == set()
     else:
         assert not sleeps
-    assert engine.methods == ["reloader_load_checkpoint" if extension else "reload_weights"]
+    loads = ["reloader_load_checkpoint", "reloader_probe"] if extension else ["reload_weights"]
+    assert engine.methods == loads, "the extension's probe runs after its load"
     assert succeeded.get("load") == ({"loader": "extension", "bytes": 42} if extension else None)
 
 

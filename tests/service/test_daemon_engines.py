@@ -217,22 +217,25 @@ def test_follower_restarted_on_another_content_of_the_version_is_brought_to_the_
     assert not [c for c in canary.calls if c.startswith("reload:")], "the canary engine's record holds"
 
 
+@pytest.mark.parametrize("check", ["canary", "probe"])
 def test_follower_whose_canary_fails_rejects_the_version_for_the_host_and_every_engine_leaves_it(
-    start, root, make_checkpoint
+    start, root, make_checkpoint, check: str
 ):
-    """step-2 passes on the canary engine but answers NaN on the follower: loading it there
-    again would fail again, so the host rejects it (no retry loop), and the canary engine goes
-    back from it too (before: reloaded on the follower every retry, served on the canary)."""
+    """step-2 passes on the canary engine but answers NaN on the follower (or its forward pass
+    there, in the pause): loading it there again would fail again, so the host rejects it (no
+    retry loop), and the canary engine goes back from it too (before: reloaded on the follower
+    every retry, served on the canary)."""
     first, second = two_engines(root, make_checkpoint)
+    second.extension = check == "probe"
     running = start(first, followers=[second])
     running.wait_for("engine.reconciled", engine=follower_url(0))
-    second.garbage.add(str(root / "step-2"))
+    (second.garbage if check == "canary" else second.probe_broken).add(str(root / "step-2"))
     make_checkpoint("step-2", step=2, root=root, seed=2)
-    running.wait_for("reload.rolled_back", version="step-2", engine=follower_url(0), cause="canary")
+    running.wait_for("reload.rolled_back", version="step-2", engine=follower_url(0), cause=check)
     rejected = running.wait_for("checkpoint.rejected", name="step-2")
-    assert rejected["check"] == "canary"
+    assert rejected["check"] == check
     back = running.wait_for("reload.rolled_back", version="step-2", engine=ENGINE_URL)
-    assert back["cause"] == "canary" and back["to_version"] == "step-1"
+    assert back["cause"] == check and back["to_version"] == "step-1"
     time.sleep(1.0)  # retries would come within retry_max (0.2 s)
     assert first.version == second.version == "step-1"
     loads = [c for c in second.calls if c == f"reload:{root / 'step-2'}"]

@@ -14,10 +14,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import httpx
 import pytest
@@ -234,15 +234,19 @@ def session_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[E
 
 def exploding(source: Path, staged: Path) -> Path:
     """Finite weights, right shapes, times 1e30: every gate check passes, the forward pass overflows."""
+    return rewritten(source, staged, lambda _name, v: v.float() * 1e30)
+
+
+def rewritten(source: Path, staged: Path, change: Callable[[str, Any], Any]) -> Path:
+    """`source`'s checkpoint staged with each tensor replaced by `change(name, tensor)`
+    (returned as a float tensor, stored in the tensor's own dtype), its manifest left out."""
     from safetensors.torch import load_file, save_file
 
     staged.mkdir(parents=True)
     for path in source.iterdir():
         if path.suffix == ".safetensors":
             tensors = load_file(str(path))
-            save_file(
-                {k: (v.float() * 1e30).to(v.dtype) for k, v in tensors.items()}, str(staged / path.name)
-            )
+            save_file({k: change(k, v).to(v.dtype) for k, v in tensors.items()}, str(staged / path.name))
         elif path.name != "manifest.json":
             (staged / path.name).write_bytes(path.read_bytes())
     return staged

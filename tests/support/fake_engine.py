@@ -42,6 +42,14 @@ class FakeEngine:
         """What is asleep: "weights", "kv_cache"."""
         self.garbage: set[str] = set()
         """Checkpoint paths whose weights answer with NaN logprobs (a diverged run)."""
+        self.probe_broken: set[str] = set()
+        """Checkpoint paths whose forward pass in the extension's probe gives non-finite logits
+        (`garbage` alone passes it: answers wrong only when sampled, as the canary sees)."""
+        self.probe_answers: list[object] | None = None
+        """What each rank answers the probe (None: a finite, unflat forward pass on every rank,
+        unless what is loaded is `probe_broken`)."""
+        self.probes: list[dict[str, object]] = []
+        """The probe's kwargs, each time, and whether the engine was paused then."""
         self.fail: dict[str, Callable[[], httpx.Response]] = {}
         """endpoint (or 'reload:<path>') -> response factory, or raise inside it."""
         self.during_load: Callable[[str], None] | None = None
@@ -89,7 +97,8 @@ class FakeEngine:
         key = path
         if path == "/collective_rpc":
             self.methods.append(body["method"])
-            key = f"reload:{next(iter(body['kwargs'].values()))}"
+            first = next(iter(body["kwargs"].values()))
+            key = "probe" if body["method"] == "reloader_probe" else f"reload:{first}"
         self.calls.append(key if path == "/collective_rpc" else path)
         if key in self.fail:
             return self.fail[key]()
@@ -131,6 +140,9 @@ class FakeEngine:
         if path == "/collective_rpc":
             if "weights" in self.asleep:
                 return httpx.Response(500, json={"error": {"message": "weights are asleep"}})
+            if body["method"] == "reloader_probe" and self.extension:
+                self.probes.append({**body["kwargs"], "paused": self.paused, "loaded": self.loaded})
+                return httpx.Response(200, json={"results": self._probe_answers()})
             if body["method"] == EXTENSION_METHOD:
                 if not self.extension:  # what vLLM answers for a method no worker has
                     return httpx.Response(500, json={"error": {"message": "no attribute"}})
@@ -180,10 +192,19 @@ class FakeEngine:
             return httpx.Response(
                 200, content=json.dumps(body).encode(), headers={"content-type": "application/json"}
             )
+        if path == "/tokenize":
+            return httpx.Response(200, json={"tokens": [len(word) for word in body["prompt"].split()]})
         if path == "/update_weight_version":
             self.version = body["new_version"]
             return httpx.Response(200, json={"success": True})
         return httpx.Response(404)
+
+    def _probe_answers(self) -> list[object]:
+        if self.probe_answers is not None:
+            return self.probe_answers
+        finite = self.loaded not in self.probe_broken
+        answer = {"available": True, "logits": True, "finite": finite, "flat": False, "max_abs": 9.5}
+        return [{**answer, "rank": rank, "entropy": 2.5} for rank in range(self.ranks)]
 
     def _load(self, path: str, files: dict[str, list[int]] | None) -> str | None:
         """Like the extension: refuse files that are not the verified ones, read each shard

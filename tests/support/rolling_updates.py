@@ -78,7 +78,7 @@ class Run:
     quiet: list[Answer]
     """Answers before the first publish: no reload."""
     updates: list[Answer]
-    """Answers from the first publish on: three rolling updates and one failing canary."""
+    """Answers from the first publish on: three rolling updates and one checkpoint that fails its probe."""
     paused: Samples
     states: States
     good: dict[str, str]
@@ -104,7 +104,7 @@ def roll(
 ) -> Run:
     """A daemon on `engines` (serving ROOT's newest already), HAProxy in front, clients on
     it; then `good` published one after the other, each rolled over every engine, then a
-    checkpoint made from `bad_from` whose canary fails on the first engine. Returns once the
+    checkpoint made from `bad_from` that fails its probe on the first engine. Returns once the
     first engine is back in HAProxy after its rollback. `hold_pauses_s`: every pause lasts at
     least that long (failpoint `after_pause`), so that the samplers see each one."""
     readiness = unused_port()

@@ -38,6 +38,10 @@ NOT_VLLMS = {"/openapi.json": "FastAPI's own", "/metrics": "prometheus' mounted 
 SCHEDULER_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 WORKER = "vllm/v1/worker/gpu_worker.py"
 """`Worker`: every worker class the extension is mixed into derives from it."""
+RUNNER = "vllm/v1/worker/gpu_model_runner.py"
+"""`GPUModelRunner`: its `_dummy_run` is the probe's forward pass (CPU's runner inherits it)."""
+PROBE_KEYWORDS = ("is_profile", "remove_lora", "skip_eplb")
+"""What `extension/probe.py` passes `_dummy_run` besides the token count, where it has them."""
 CONFIG_FIELDS = {
     "ModelConfig": ("model", "model_weights", "revision", "enable_sleep_mode"),
     "ParallelConfig": ("worker_extension_cls",),
@@ -134,11 +138,15 @@ def _defs(tree: ast.AST) -> Iterator[ast.AST]:
 
 
 def classes(trees: Trees) -> dict[str, tuple[set[str], list[str], set[str]]]:
-    """Every class by name: its annotated fields, its bases' names, its methods."""
+    """Every class by name: its annotated fields, its bases' names, its methods. A union
+    alias (`TokenizeRequest: TypeAlias = A | B`) counts as a class with each member as a base:
+    a body of any of them is accepted."""
     found: dict[str, tuple[set[str], list[str], set[str]]] = {}
     for tree in trees.values():
         for node in _defs(tree):
-            if isinstance(node, ast.ClassDef):
+            if (members := _union_alias(node)) is not None:
+                found[members[0]] = (set(), members[1:], set())
+            elif isinstance(node, ast.ClassDef):
                 fields, methods = set(), set()
                 for item in node.body:
                     if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
@@ -149,6 +157,16 @@ def classes(trees: Trees) -> dict[str, tuple[set[str], list[str], set[str]]]:
                 known = found.get(node.name, (set(), [], set()))
                 found[node.name] = (known[0] | fields, known[1] + bases, known[2] | methods)
     return found
+
+
+def _union_alias(node: ast.AST) -> list[str] | None:
+    """`[alias, member, …]` for `Alias: TypeAlias = A | B | …`, else None."""
+    if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+        return None
+    if ast.unparse(node.annotation).rsplit(".", 1)[-1] != "TypeAlias" or node.value is None:
+        return None
+    members = [m.strip() for m in ast.unparse(node.value).split("|")]
+    return [node.target.id, *(m.rsplit(".", 1)[-1] for m in members if m.replace(".", "").isidentifier())]
 
 
 def fields_of(name: str, known: Classes) -> set[str]:
@@ -338,12 +356,24 @@ def _worker(release: str, trees: Trees, known: Classes) -> list[str]:
                     f"vLLM {release}: {file}: reload_weights takes no weights_iterator/weights_path "
                     "(extension/worker.py)"
                 )
+    problems += _probe(release, trees)
     if not any("get_model" in methods for _, _, methods in known.values()):
         problems.append(f"vLLM {release}: no model runner has get_model (extension/worker.py)")
     for cls, names in CONFIG_FIELDS.items():
         have = fields_of(cls, known)
         problems += [f"vLLM {release}: {cls} has no field {n!r}" for n in names if n not in have]
     return problems
+
+
+def _probe(release: str, trees: Trees) -> list[str]:
+    """The probe inside the pause (`extension/probe.py`): `GPUModelRunner._dummy_run(num_tokens,
+    …)` with the keywords it passes; without it every reload is judged by the canary alone."""
+    runner = _function(trees.get(RUNNER), "GPUModelRunner", "_dummy_run")
+    where = f"({RUNNER}; extension/probe.py: engine.probe_unavailable)"
+    if runner is None or [a.arg for a in runner.args.args[:2]] != ["self", "num_tokens"]:
+        return [f"vLLM {release}: GPUModelRunner._dummy_run(num_tokens, ...) is gone {where}"]
+    names = {a.arg for a in runner.args.args + runner.args.kwonlyargs}
+    return [f"vLLM {release}: _dummy_run takes no {k!r} {where}" for k in PROBE_KEYWORDS if k not in names]
 
 
 def _accepts(function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:

@@ -202,6 +202,12 @@ class CanaryConfig(Section):
     min_mean_logprob: float | None = None
     """Optional floor on the mean token logprob over all prompts (e.g. -8: garbage weights
     give near-uniform logits, log(1/vocab) ≈ -11 for a 64k vocab)."""
+    probe: bool = True
+    """First, inside the pause: a forward pass on every rank on the prompts' tokens (engines
+    with the worker extension). Logits that are not finite, or flat, are a failed load: the last
+    good weights are loaded back before the resume, so no client ever reaches them."""
+    probe_timeout: float = Field(60.0, gt=0)
+    """For the probe's answer from every rank (the engine is paused meanwhile)."""
 
     @field_validator("prompts", mode="before")
     @classmethod

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from ..config import EngineConfig
-from ..errors import EngineCallFailed, EngineUnavailable
+from ..errors import EngineCallFailed, EngineError, EngineUnavailable
 from .capabilities import ADAPTER_ROUTES, OPTIONAL_ROUTES, REQUIRED_ROUTES, Capabilities
 from .loads import load_report
 from .serverinfo import ServerConfig, lora_of, str_or_none
@@ -226,13 +226,20 @@ class EngineClient:
                 kwargs["files"] = {name: list(found) for name, found in files.items()}
         else:
             method, kwargs = "reload_weights", {"weights_path": path}
+        results = self.collective_rpc(method, kwargs, timeout=self.config.reload_timeout)
+        if not extension:
+            return None
+        return load_report(results)
+
+    def collective_rpc(self, method: str, kwargs: dict[str, Any], *, timeout: float) -> list[Any]:
+        """`method` on every worker: each one's answer, in rank order."""
         body = self._call(
             "POST",
             "/collective_rpc",
             json={"method": method, "kwargs": kwargs},
-            timeout=self.config.reload_timeout,
+            timeout=timeout,
             # vLLM's route drops the connection after a worker error; a pooled one would make
-            # the restore that follows fail on a dead socket. One connection per reload.
+            # the restore that follows fail on a dead socket. One connection per call.
             headers={"Connection": "close"},
         )
         results = body.get("results") if isinstance(body, dict) else None
@@ -240,9 +247,18 @@ class EngineClient:
             raise EngineCallFailed(
                 "/collective_rpc: no per-worker results in the answer", endpoint="/collective_rpc"
             )
-        if not extension:
+        return results
+
+    def tokens(self, prompt: str) -> list[int] | None:
+        """`prompt` as the engine's tokenizer splits it; None where it does not say."""
+        try:
+            body = self._call("POST", "/tokenize", json={"prompt": prompt})
+        except EngineError:
             return None
-        return load_report(results)
+        found = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(found, list) or any(type(t) is not int for t in found):
+            return None
+        return found
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached prefix: its KV was computed with the weights just replaced.

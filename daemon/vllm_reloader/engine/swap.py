@@ -21,6 +21,7 @@ from ..checkpoint.files import changed as files_changed
 from ..errors import EngineCallFailed, EngineError, EngineUnavailable, ReloadFailed
 from . import capabilities
 from .client import RELOADING_PREFIX, EngineClient
+from .probe import Finding
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,10 @@ def hot_swap(
     strategy: Literal["inplace", "sleep"] = "inplace",
     extension: bool = False,
     pause_mode: str | None = None,
+    probe: Callable[[EngineClient], Finding] | None = None,
 ) -> dict[str, Any]:
-    """pause → mark reloading → reload_weights → compare the files → reset prefix cache →
-    set version → resume.
+    """pause → mark reloading → reload_weights → compare the files → probe → reset prefix
+    cache → set version → resume.
 
     `sleep` (engines started with `--enable-sleep-mode`) wraps the reload: sleep level 2
     (weights and KV cache dropped, buffers kept) → wake the weights (same virtual addresses,
@@ -70,6 +72,9 @@ def hot_swap(
 
     `extension`: load through the worker extension; its report is returned under `load`.
     `pause_mode`: how to pause, when not the engine's configured way.
+    `probe`: a forward pass on every rank, still paused: weights it finds broken (or a probe
+    that fails or times out) are a failed load, the fallback loaded back before the resume
+    (`ReloadFailed.probed`), so no client request ever reaches them.
 
     Returns per-phase durations. Raises `ReloadFailed` (after restoring `fallback` when the
     engine is still answering) or `EngineUnavailable`. Whatever happens after the pause
@@ -115,6 +120,8 @@ def hot_swap(
             raise _restore(
                 client, fallback, f"files changed during the reload: {problem}", extension, changed=True
             )
+        if probe is not None:
+            _probe(client, probe, fallback, extension, timings)
         try:
             with _timed(timings, "reset"):
                 client.reset_prefix_cache()
@@ -127,6 +134,25 @@ def hot_swap(
         with _timed(timings, "resume"):
             _resume(client, on_resume_failed)
     return timings
+
+
+def _probe(
+    client: EngineClient,
+    probe: Callable[[EngineClient], Finding],
+    fallback: Target | None,
+    extension: bool,
+    timings: dict[str, Any],
+) -> None:
+    try:
+        with _timed(timings, "probe"):
+            found = probe(client)
+    except EngineError as exc:
+        raise _restore(client, fallback, f"probe: {exc}", extension, probed=True) from exc
+    if found.broken is not None:
+        raise _restore(client, fallback, f"probe: {found.broken}", extension, probed=True)
+    if found.unavailable is not None:
+        timings["probe_unavailable"] = found.unavailable
+    timings.update({f"probe_{key}": value for key, value in found.summary.items()})
 
 
 def _wake(client: EngineClient, asleep: bool) -> bool:
@@ -161,6 +187,7 @@ def _restore(
     woken: bool = True,
     changed: bool = False,
     refused: bool = False,
+    probed: bool = False,
 ) -> ReloadFailed:
     """The model may now hold a mix of old and new tensors (or, after a sleep, none): load
     the last good one back, if the engine is awake to take it. After a refusal (`refused`) a
@@ -169,7 +196,12 @@ def _restore(
     if fallback is None or not woken:
         why = "no checkpoint to restore" if fallback is None else "the engine did not wake up"
         return ReloadFailed(
-            f"{cause}; {why}", restored=False, engine_up=woken, changed=changed, refused=refused
+            f"{cause}; {why}",
+            restored=False,
+            engine_up=woken,
+            changed=changed,
+            refused=refused,
+            probed=probed,
         )
     try:
         client.reload_weights(fallback.path, extension=extension, files=fallback.files)
@@ -194,6 +226,7 @@ def _restore(
             engine_up=not isinstance(again, EngineUnavailable),
             changed=changed,
             refused=refused,
+            probed=probed,
         )
     return ReloadFailed(
         f"{cause}; restored {fallback.version}",
@@ -201,6 +234,7 @@ def _restore(
         engine_up=True,
         changed=changed,
         refused=refused,
+        probed=probed,
     )
 
 

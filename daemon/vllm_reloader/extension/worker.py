@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .. import failpoints
+from .probe import probe
 from .readers import DTYPES, BufferPool, Checkpoint, LoadStats, layer_order, plan, read_weights, runs
 
 
@@ -118,6 +119,11 @@ class ReloadExtension:
             "memory_peak": memory.peak(),
             "verified": files is not None,
         }
+
+    def reloader_probe(self, tokens: list[int] | None = None, scan: bool = False) -> dict[str, Any]:
+        """A forward pass on this rank's weights, still paused (see `probe`)."""
+        failpoints.hit("probe", rank=getattr(self, "rank", None))
+        return probe(self, tokens, scan)
 
 
 def _pool(worker: Any) -> BufferPool:

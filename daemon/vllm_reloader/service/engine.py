@@ -55,6 +55,9 @@ class Engine:
     unclean: str | None = None
     """Why it is out of rotation though it serves good weights (not clean after a rollback):
     until a reload passes on it, or it restarts. Kept in the record store."""
+    probe_unavailable: str | None = None
+    """Why no forward pass inside the pause can judge its reloads (said once: the canary alone
+    judges them)."""
 
     @classmethod
     def make(
@@ -105,6 +108,12 @@ class Engine:
         """When a failed reload here may be tried again (0: now)."""
         return self.follow.until(self.url) or 0.0
 
+    def no_probe(self, why: str) -> None:
+        """New weights are judged by the canary alone, on live traffic: said once per cause."""
+        if why != self.probe_unavailable:
+            self.probe_unavailable = why
+            self.log.warning("engine.probe_unavailable", reason=why)
+
     def resumed(self, _: object = None) -> None:
         self.served.resume_owed = False
         self.log.info(
@@ -129,8 +138,10 @@ class Engine:
     def as_follower(self, decision: outcomes.Decision) -> outcomes.Decision:
         """A follower loads a version that passed on the canary engine: a failed reload here is
         this engine's, retried with a backoff, and blames no checkpoint; a failed canary blames
-        the version, for the whole host (loading the same weights again would fail again)."""
-        if decision.result == "succeeded" or (decision.reject and decision.reject.check == "canary"):
+        the version, for the whole host (loading the same weights again would fail again), and
+        so does a probe that found them broken."""
+        blames_weights = decision.reject is not None and decision.reject.check in ("canary", "probe")
+        if decision.result == "succeeded" or blames_weights:
             self.last_error = None
             self.follow.succeeded(self.url)
             return decision
@@ -163,6 +174,7 @@ class Engine:
         served.sleep_capable, served.extension, served.lora = server.sleep_mode, server.extension, server.lora
         if not server.extension:
             self.log.warning("engine.builtin_loader", reason=BUILTIN_LOADER_RISK, fix=BUILTIN_LOADER_FIX)
+            self.no_probe(f"the engine runs without the worker extension: {BUILTIN_LOADER_FIX}")
         served.startup = setup.startup_path(server)
         serving = reconcile.serving(
             version, served.startup, known=served.serving, root=root, candidates=candidates, trusted=trusted

@@ -64,8 +64,8 @@ class Recalls:
 
     log: Any
     failed: dict[tuple[str, str], tuple[str, str, str]] = dataclasses.field(default_factory=dict)
-    """(name, fingerprint) → (version, reason, cause: `fleet`, or `canary` when an engine of this
-    host failed it)."""
+    """(name, fingerprint) → (version, reason, cause: `fleet`, or `canary` / `probe` when an
+    engine of this host failed it)."""
     rolling: dict[str, tuple[Job, str, str, str]] = dataclasses.field(default_factory=dict)
     """An engine's URL → its rollback job, with the version it leaves, why, and the cause."""
     stuck: set[tuple[str, str, str]] = dataclasses.field(default_factory=set)

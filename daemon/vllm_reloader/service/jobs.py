@@ -19,7 +19,7 @@ from typing import Any, Literal
 from .. import failpoints
 from ..checkpoint.order import Candidate
 from ..config import CanaryConfig
-from ..engine import canary
+from ..engine import canary, probe
 from ..engine.client import EngineClient
 from ..engine.swap import Target, hot_swap
 from ..errors import EngineCallFailed, EngineError, EngineNotSetUp, ReloaderError, ReloadFailed
@@ -159,6 +159,7 @@ class ReloadWorker(QueueWorker[Job | WarmUp | Ask]):
     def _swap(self, job: Job, started: float, pause_mode: str | None = None) -> Outcome:
         resume_errors: list[EngineError] = []
         try:
+            probed = _prober(job)  # its tokens asked before the pause
             timings = hot_swap(
                 job.client,
                 job.target,
@@ -167,6 +168,7 @@ class ReloadWorker(QueueWorker[Job | WarmUp | Ask]):
                 strategy=job.strategy,
                 extension=job.extension,
                 pause_mode=pause_mode,
+                probe=probed,
             )
             outcome = Outcome(job, time.perf_counter() - started, timings=timings)
         except EngineError as exc:
@@ -202,6 +204,15 @@ class ReloadWorker(QueueWorker[Job | WarmUp | Ask]):
             (n for n in range(1, FLUSH_PROBES + 1) if canary.probe(job.client, job.canary) is None), 0
         )
         return replace(outcome, timings=timings, canary_failed=reason, rolled_back=True, flush_probes=flushes)
+
+
+def _prober(job: Job) -> Callable[[EngineClient], probe.Finding] | None:
+    """The probe inside the pause, where the engine runs the worker extension and it is on."""
+    config = job.canary
+    if not (job.extension and config.probe):
+        return None
+    asked = probe.Probe(tokens=probe.tokens_of(job.client, config.prompts))
+    return lambda client: probe.run(client, asked, config.probe_timeout)
 
 
 def _answer(ask: Ask) -> Answered:

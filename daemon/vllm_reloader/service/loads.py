@@ -171,6 +171,8 @@ class Loads:
     def finished(self, engine: Engine, outcome: Outcome) -> None:
         """A reload came back from the engine's thread: apply it, then say it (once recorded)."""
         decision = self.recalls.finished(engine.url, outcome.job, outcomes.decide(outcome, now=time.time()))
+        if why := (outcome.timings or {}).get("probe_unavailable"):
+            engine.no_probe(str(why))
         follower = engine is not self.canary
         if follower or decision.refused:  # refused for memory: no verdict, the same one again later
             decision = engine.as_follower(decision)
@@ -178,9 +180,9 @@ class Loads:
             engine.last_error = None
             engine.follow.succeeded(engine.url)
         verdict = None
-        if follower and (r := decision.reject) is not None:  # its canary failed: all on it go back
+        if follower and (r := decision.reject) is not None:  # its canary (or probe) failed: all go back
             base = order.base_name(r.name)
-            self.recalls.add(base, r.version, r.fingerprint, r.reason, self.engines, "canary")
+            self.recalls.add(base, r.version, r.fingerprint, r.reason, self.engines, r.check)
             verdict = Verdict(base, r.version, r.fingerprint, False, r.reason)  # and the fleet
         elif not follower and not decision.refused and outcome.job.candidate.fingerprint:  # not a restore
             verdict = fleet.judged(outcome.job, decision)

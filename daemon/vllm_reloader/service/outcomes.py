@@ -72,7 +72,7 @@ def decide(outcome: Outcome, *, now: float) -> Decision:
         failed = {"version": version, "path": path, "reason": str(error), "restored": error.restored}
         events.append(Event("error", "reload.failed", failed))
         rolled_back = error.restored and job.fallback is not None
-        cause = "changed" if error.changed else "reload"
+        cause = "changed" if error.changed else "probe" if error.probed else "reload"
         if rolled_back and job.fallback is not None:
             fields = {"version": version, "to_version": job.fallback.version, "cause": cause}
             events.append(Event("warning", "reload.rolled_back", fields))
@@ -81,12 +81,12 @@ def decide(outcome: Outcome, *, now: float) -> Decision:
         if error.refused:  # the engine's memory, not the checkpoint: tried again after a backoff
             refused = {"version": version, "reason": str(error), "fix": capabilities.LOAN_REFUSED_FIX}
             events.append(Event("warning", "engine.reload_refused", refused))
-        blame = Rejecting(
+        blame = Rejecting(  # a probe blames the weights loaded, a follower's too (as a canary does)
             job.candidate.name,
             version,
-            f"reload_weights failed: {error}",
-            job.candidate.fingerprint,
-            "reload",
+            str(error) if error.probed else f"reload_weights failed: {error}",
+            _fingerprint(job) if error.probed else job.candidate.fingerprint,
+            "probe" if error.probed else "reload",
         )
         back = job.rollback.model_copy(update={"since": now}) if rolled_back and job.rollback else None
         return Decision(

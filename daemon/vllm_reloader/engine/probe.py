@@ -1,0 +1,95 @@
+"""The probe: a forward pass on every rank, inside the pause, before any client request
+reaches new weights (the worker extension's `reloader_probe`). The canary after the resume
+stays as the second line: it catches what a forward pass on a few tokens cannot, wrong answers.
+
+`judge` reads the ranks' reports; it is pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import EngineCallFailed
+from .client import EngineClient
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What to ask the workers: tokens to run (None: the extension draws its own, the same each
+    time), and whether to scan every parameter for NaN or Inf on its device."""
+
+    tokens: tuple[int, ...] | None = None
+    scan: bool = False
+
+
+@dataclass(frozen=True)
+class Finding:
+    broken: str | None = None
+    """Why the weights must not serve (a failed load), or None."""
+    unavailable: str | None = None
+    """Why no rank could run a forward pass (then only the canary judges the weights)."""
+    summary: dict[str, Any] = field(default_factory=dict)
+    """For `reload.succeeded`: the largest |logit|, the first position's entropy, the ranks
+    that computed logits, and the bytes scanned."""
+
+
+def judge(results: Sequence[Any]) -> Finding:
+    """Every rank must answer; one holding NaN or Inf, or whose logits are not finite or flat,
+    breaks the load. Only the last pipeline stage (and, with tensor parallelism, the ranks the
+    logits are gathered on) has logits: at least one rank must."""
+    reports: list[dict[str, Any]] = []
+    for rank, result in enumerate(results):
+        if not isinstance(result, dict) or "available" not in result:
+            return Finding(broken=f"rank {rank} of {len(results)} gave no probe report ({str(result)[:200]})")
+        reports.append(result)
+        if result.get("non_finite"):
+            return Finding(broken=f"rank {rank}: parameter {result['non_finite']} holds NaN or Inf")
+    for rank, report in enumerate(reports):
+        if not report["available"]:
+            return Finding(unavailable=f"rank {rank}: {report.get('why') or 'no forward pass'}")
+        if report.get("logits") and not report.get("finite"):
+            return Finding(broken=f"rank {rank}: the logits of a forward pass are not finite")
+        if report.get("logits") and report.get("flat"):
+            return Finding(broken=f"rank {rank}: every token equally likely at every position")
+    with_logits = [r for r in reports if r.get("logits")]
+    if not with_logits:
+        return Finding(unavailable="no rank computed logits")
+    summary = {
+        "max_abs_logit": max(float(r.get("max_abs") or 0.0) for r in with_logits),
+        "entropy": with_logits[0].get("entropy"),
+        "ranks_with_logits": len(with_logits),
+    }
+    scanned = [r["scanned_bytes"] for r in reports if isinstance(r.get("scanned_bytes"), int)]
+    if scanned:
+        summary["scanned_bytes"] = sum(scanned)
+    return Finding(summary=summary)
+
+
+PROBE_METHOD = "reloader_probe"
+OLD_EXTENSION = "the engine's worker extension predates the probe: restart the engine to load the new one"
+
+
+def run(client: EngineClient, probe: Probe, timeout: float) -> Finding:
+    """Ask every worker, still paused; an error answer or none within `timeout` is a failed
+    probe (`EngineError`, raised: the caller loads the last good weights back)."""
+    kwargs = {"tokens": list(probe.tokens) if probe.tokens else None, "scan": probe.scan}
+    try:
+        results = client.collective_rpc(PROBE_METHOD, kwargs, timeout=timeout)
+    except EngineCallFailed as exc:
+        if PROBE_METHOD in (exc.detail or str(exc)) and "attribute" in (exc.detail or str(exc)):
+            return Finding(unavailable=OLD_EXTENSION)
+        raise
+    return judge(results)
+
+
+def tokens_of(client: EngineClient, prompts: Sequence[str]) -> tuple[int, ...] | None:
+    """The canary prompts' tokens, asked before the pause (None where the engine does not say)."""
+    found: list[int] = []
+    for prompt in prompts:
+        tokens = client.tokens(prompt)
+        if tokens is None:
+            return None
+        found += tokens
+    return tuple(found) or None

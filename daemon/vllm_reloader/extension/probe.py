@@ -1,0 +1,156 @@
+"""A forward pass inside the pause: do the new weights compute at all, before any client
+request reaches them?
+
+vLLM's model runner already runs the model with no request involved (`_dummy_run`, its
+warm-up): no attention metadata, so no KV-cache block is written, and no sampler or scheduler
+state is touched. This runs it on a few tokens and checks the logits on every rank that has
+them (the last pipeline stage), and, with `scan`, every parameter for NaN or Inf on the device
+that holds it (a GPU reads its memory far faster than the host reads the files).
+
+With no metadata an attention backend computes nothing: some leave its output as allocated
+(CPU's: whatever the memory held, NaN at times), so each attention layer's output is zeros
+for the pass (`_quiet_attention`); embeddings, norms, MLPs and the output layer are what it
+judges, and `scan` reads the rest.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+FLAT = 1e-6
+"""Logits closer than this across the vocabulary at a position count as equal."""
+SCAN_CHUNK = 1 << 24
+"""Elements checked at once: a bounded temporary, whatever the size of a parameter."""
+RANDOM_TOKENS = 16
+"""Tokens probed when the daemon sends none (a fixed seed: the same tokens every time)."""
+
+
+def probe(worker: Any, tokens: list[int] | None, scan: bool) -> dict[str, Any]:
+    """What a forward pass on this rank gave: `available` False (with `why`) where this vLLM
+    cannot run one without side effects; else `logits` (this rank computes them), `finite`,
+    `flat`, `max_abs`, `entropy` (of the first position's distribution, in nats), and with
+    `scan` the first parameter holding NaN or Inf (`non_finite`), all within `ms`."""
+    started = time.perf_counter()
+    runner = worker.model_runner
+    report: dict[str, Any] = {"rank": getattr(worker, "rank", None), "available": True}
+    model = runner.get_model()
+    with torch.inference_mode():
+        if scan:
+            report["non_finite"], report["scanned_bytes"] = _scan(model)
+        why = _unavailable(runner)
+        if why is not None:
+            report.update(available=False, why=why)
+        else:
+            try:
+                report.update(_forward(runner, model, tokens))
+            except Exception as exc:  # vLLM's machinery, not the weights: non-finite values raise nothing
+                why = f"the forward pass raised {type(exc).__name__}: {exc}"
+                report.update(available=False, why=why[:300])
+    report["ms"] = round((time.perf_counter() - started) * 1000, 3)
+    return report
+
+
+def _unavailable(runner: Any) -> str | None:
+    if not callable(getattr(runner, "_dummy_run", None)):
+        return "this vLLM's model runner has no _dummy_run"
+    if getattr(getattr(runner, "parallel_config", None), "data_parallel_size", 1) > 1:
+        return "data parallel: a dummy pass on one engine would wait for the others"
+    if getattr(runner, "lora_config", None) is not None:
+        return "LoRA is enabled: vLLM's dummy run would drop the adapters the engine holds"
+    model_config = getattr(runner, "model_config", None)
+    if getattr(model_config, "enable_prompt_embeds", False) or getattr(runner, "supports_mm_inputs", False):
+        return "the model takes embeddings or multimodal inputs: no token ids to probe with"
+    return None
+
+
+def _scan(model: torch.nn.Module) -> tuple[str | None, int]:
+    scanned = 0
+    for name, parameter in model.named_parameters():
+        if not parameter.dtype.is_floating_point:
+            continue
+        flat = parameter.detach().reshape(-1)
+        for chunk in torch.split(flat, SCAN_CHUNK):
+            if not bool(torch.isfinite(chunk).all()):
+                return name, scanned
+        scanned += flat.numel() * flat.element_size()
+    return None, scanned
+
+
+def _forward(runner: Any, model: Any, tokens: list[int] | None) -> dict[str, Any]:
+    vocab = int(runner.model_config.get_vocab_size())
+    ids = [t for t in tokens or () if 0 <= t < vocab][: _room(runner)]
+    if not ids:
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (min(RANDOM_TOKENS, _room(runner)),), generator=generator).tolist()
+    buffer = runner.input_ids
+    buffer = getattr(buffer, "gpu", buffer)  # a CpuGpuBuffer, or the tensor itself
+    buffer[: len(ids)].copy_(torch.tensor(ids, dtype=buffer.dtype))
+    known = inspect.signature(runner._dummy_run).parameters
+    # Eager, every token real (not padding: MoE routers skip padding), no EPLB step.
+    wanted = {"is_profile": True, "skip_eplb": True, "remove_lora": True}
+    kwargs = {k: v for k, v in wanted.items() if k in known}
+    with _quiet_attention(model) as quieted:
+        if not quieted:
+            return {"available": False, "why": "no attention layer found whose output the pass can set"}
+        out = runner._dummy_run(len(ids), **kwargs)
+    hidden = out[0] if isinstance(out, tuple) else out
+    if not isinstance(hidden, torch.Tensor):  # pipeline parallel, not the last stage
+        return {"logits": False, "tokens": len(ids)}
+    found = _logits(model, hidden[: len(ids)])
+    if found is None:  # tensor parallel, logits gathered on another rank
+        return {"logits": False, "tokens": len(ids)}
+    logits = found.float()
+    finite = bool(torch.isfinite(logits).all())
+    spread = logits.amax(dim=-1) - logits.amin(dim=-1)
+    first = torch.log_softmax(logits[0], dim=-1)
+    entropy = float(-(first.exp() * first).nansum())
+    max_abs = float(logits.abs().nan_to_num(math.inf).max())
+    return {
+        "logits": True,
+        "tokens": len(ids),
+        "finite": finite,
+        "flat": finite and bool((spread < FLAT).all()),
+        "max_abs": max_abs if math.isfinite(max_abs) else None,
+        "entropy": round(entropy, 4) if math.isfinite(entropy) else None,
+    }
+
+
+@contextmanager
+def _quiet_attention(model: torch.nn.Module) -> Iterator[int]:
+    """Every attention layer's backend answers zeros, computing and touching nothing, while in
+    it (an instance attribute over the class's `forward`, removed after); yields how many."""
+    layers = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+    impls: list[Any] = [getattr(m, "impl", None) for m in layers]
+    impls = [i for i in impls if callable(getattr(i, "forward", None)) and "forward" not in vars(i)]
+    for impl in impls:
+        impl.forward = _zeros
+    try:
+        yield len(impls)
+    finally:
+        for impl in impls:
+            vars(impl).pop("forward", None)
+
+
+def _zeros(_layer: Any, query: torch.Tensor, *_: Any, output: torch.Tensor | None = None, **__: Any) -> Any:
+    if output is not None:
+        return output.zero_()
+    return torch.zeros_like(query)
+
+
+def _room(runner: Any) -> int:
+    return max(1, min(int(getattr(runner, "max_num_tokens", RANDOM_TOKENS)), 64))
+
+
+def _logits(model: Any, hidden: torch.Tensor) -> torch.Tensor | None:
+    """`compute_logits(hidden)` (vLLM 0.11+; older ones also took sampling metadata); None
+    on a rank the logits are not gathered on."""
+    takes = len(inspect.signature(model.compute_logits).parameters)
+    found = model.compute_logits(hidden) if takes == 1 else model.compute_logits(hidden, None)
+    return found if isinstance(found, torch.Tensor) else None
