@@ -129,7 +129,8 @@ class ReloadFailed(EngineError):
     `refused` whether vLLM refused the load for want of device memory (the engine's
     condition: retried later, the checkpoint not blamed), `probed` whether the forward pass
     inside the pause found the new weights broken (the fallback was loaded back before any
-    client saw them)."""
+    client saw them), `unjudged` whether the probe gave no answer (a timeout, an error of the
+    engine's own): the weights were loaded back unjudged, nothing blamed, tried again later."""
 
     def __init__(
         self,
@@ -140,6 +141,7 @@ class ReloadFailed(EngineError):
         changed: bool = False,
         refused: bool = False,
         probed: bool = False,
+        unjudged: bool = False,
     ) -> None:
         super().__init__(message, endpoint="/collective_rpc")
         self.restored = restored
@@ -147,3 +149,4 @@ class ReloadFailed(EngineError):
         self.changed = changed
         self.refused = refused
         self.probed = probed
+        self.unjudged = unjudged

@@ -54,6 +54,11 @@ def test_probe_says_why_it_could_not_judge_and_breaks_nothing():
     assert stages.broken is None and stages.unavailable == "no rank computed logits"
 
 
+def test_probe_lets_no_rank_it_cannot_run_on_hide_another_ranks_broken_logits():
+    found = probe.judge([{"available": False, "why": "no attention layer"}, {**GOOD, "finite": False}])
+    assert found.broken == "rank 1: the logits of a forward pass are not finite"
+
+
 def test_probe_reads_only_the_last_pipeline_stage_logits():
     found = probe.judge([{"available": True, "logits": False}, GOOD])
     assert found.broken is None and found.summary["ranks_with_logits"] == 1
@@ -105,12 +110,14 @@ def test_swap_loads_the_last_good_weights_back_before_the_resume_when_one_rank_o
 
 
 @pytest.mark.parametrize("failing", [unreachable(), error(500, "worker died in the forward pass")])
-def test_swap_takes_a_probe_without_an_answer_as_a_failed_load(failing):
+def test_swap_loads_the_last_good_weights_back_unjudged_when_the_probe_gives_no_answer(failing):
+    """Unverified weights never serve; nor is a checkpoint blamed for the engine's condition."""
     engine = extension_engine()
     engine.fail["probe"] = failing
     with pytest.raises(ReloadFailed) as failed:
         swap(engine)
-    assert failed.value.probed and failed.value.restored and str(failed.value).startswith("probe: ")
+    assert failed.value.unjudged and not failed.value.probed and failed.value.restored
+    assert str(failed.value).startswith("probe: no answer: ")
     assert engine.loaded == OLD.path and not engine.paused
 
 
@@ -145,10 +152,16 @@ def test_swap_with_nothing_to_go_back_to_keeps_the_broken_weights_marked_reloadi
     assert not engine.paused
 
 
-def test_swap_takes_an_engine_whose_extension_predates_the_probe_as_one_without_it():
+@pytest.mark.parametrize(
+    "message",
+    [
+        "AttributeError: 'CPUWorker' object has no attribute 'reloader_probe'",  # mp executor
+        "NotImplementedError: Method 'reloader_probe' is not implemented.",  # uni, ray
+    ],
+)
+def test_swap_takes_an_engine_whose_extension_predates_the_probe_as_one_without_it(message: str):
     """The daemon upgraded, the engine not restarted: its workers have no `reloader_probe`."""
     engine = extension_engine()
-    message = "AttributeError: 'CPUWorker' object has no attribute 'reloader_probe'"
     engine.fail["probe"] = error(500, message)
     timings = swap(engine)
     assert timings["probe_unavailable"] == probe.OLD_EXTENSION

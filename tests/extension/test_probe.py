@@ -136,6 +136,8 @@ def test_probe_reports_no_logits_on_a_pipeline_stage_before_the_last():
     [
         (lambda r: setattr(r, "lora_config", object()), "LoRA is enabled"),
         (lambda r: setattr(r.parallel_config, "data_parallel_size", 2), "data parallel"),
+        (lambda r: setattr(r.parallel_config, "pipeline_parallel_size", 2), "pipeline parallel"),
+        (lambda r: setattr(r.model, "mixer", type("MambaMixer2", (torch.nn.Module,), {})()), "hybrid"),
         (lambda r: setattr(r, "_dummy_run", None), "has no _dummy_run"),
         (lambda r: setattr(r, "_dummy_run", lambda n, **_: 1 / 0), "raised ZeroDivisionError"),
     ],

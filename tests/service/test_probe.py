@@ -3,7 +3,7 @@ any request reaches them, rejected like a failed canary; where no probe can run,
 
 from __future__ import annotations
 
-from tests.support.fake_engine import FakeEngine
+from tests.support.fake_engine import FakeEngine, unreachable
 
 
 def test_daemon_loads_the_last_good_weights_back_before_any_request_reaches_weights_its_probe_finds_broken(
@@ -54,3 +54,23 @@ def test_daemon_says_an_engine_without_the_extension_is_judged_by_its_canary_alo
     said = running.wait_for("engine.probe_unavailable")
     assert "worker extension" in str(said["reason"]) and "--worker-extension-cls" in str(said["reason"])
     assert "reloader_probe" not in engine.methods
+
+
+def test_daemon_blames_no_checkpoint_for_a_probe_that_gives_no_answer_and_tries_it_again(
+    start, root, make_checkpoint
+):
+    """The engine's condition (a probe timing out), not the weights': they are loaded back
+    unjudged, nothing is rejected, and the same version is tried again after a backoff."""
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    engine.extension = True
+    engine.fail["probe"] = unreachable()
+    running = start(engine)
+    running.wait_for("engine.reconciled")
+    make_checkpoint("step-2", step=2, root=root, seed=2)
+    rolled = running.wait_for("reload.rolled_back", version="step-2")
+    assert rolled["cause"] == "probe" and engine.loaded == str(root / "step-1")
+    running.wait_for("engine.retry")
+    del engine.fail["probe"]
+    running.wait_for("reload.succeeded", version="step-2", timeout=20)
+    assert running.events("checkpoint.rejected") == [], "nothing blamed"

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.fake_engine import FakeEngine, unreachable
+from tests.support.service_fixtures import NotifySocket
 from vllm_reloader import failpoints
 from vllm_reloader.service import state
 
@@ -163,23 +164,32 @@ def test_service_sigkill_then_restart_does_not_reload_needlessly(service, make_c
     assert second.stop() == 0
 
 
-def test_service_says_ready_again_until_systemd_takes_it(service):
-    """systemd's notify queue full (it reads late; 10 datagrams by default): the READY=1 the
-    daemon sends is dropped, and it must send it again, or systemd kills it at TimeoutStartSec."""
-    start, _engine, notify, _config, _root = service
+def fill(notify: NotifySocket) -> int:
+    """systemd reading late: its queue full (10 datagrams by default), the next one dropped."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK) as filler:
         queued = 0
         while True:
             try:
                 filler.sendto(b"STATUS=stale", str(notify.path))
             except BlockingIOError:
-                break
+                return queued
             queued += 1
-    assert queued >= 1
+
+
+def test_service_says_ready_again_until_systemd_takes_it(service):
+    """The READY=1 the daemon sends is dropped: it must send it again, or systemd kills it at
+    TimeoutStartSec (after a reload, `systemctl reload` would wait for it until its timeout)."""
+    start, _engine, notify, _config, _root = service
+    assert fill(notify) >= 1
     daemon = start()
     daemon.wait_for("engine.warmed")
     time.sleep(0.5)  # its first READY=1 went nowhere
     notify.wait_for("READY=1")  # reads the stale ones first, then what it sends now
+    assert fill(notify) >= 1
+    daemon.process.send_signal(signal.SIGHUP)
+    daemon.wait_for("config.reloaded")
+    time.sleep(0.5)
+    assert "READY=1" in notify.wait_for("READY=1")
     assert daemon.stop() == 0
 
 

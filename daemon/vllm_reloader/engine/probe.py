@@ -46,13 +46,14 @@ def judge(results: Sequence[Any]) -> Finding:
         reports.append(result)
         if result.get("non_finite"):
             return Finding(broken=f"rank {rank}: parameter {result['non_finite']} holds NaN or Inf")
-    for rank, report in enumerate(reports):
-        if not report["available"]:
-            return Finding(unavailable=f"rank {rank}: {report.get('why') or 'no forward pass'}")
+    for rank, report in enumerate(reports):  # every rank's logits first: one unavailable hides none
         if report.get("logits") and not report.get("finite"):
             return Finding(broken=f"rank {rank}: the logits of a forward pass are not finite")
         if report.get("logits") and report.get("flat"):
             return Finding(broken=f"rank {rank}: every token equally likely at every position")
+    for rank, report in enumerate(reports):
+        if not report["available"]:
+            return Finding(unavailable=f"rank {rank}: {report.get('why') or 'no forward pass'}")
     with_logits = [r for r in reports if r.get("logits")]
     if not with_logits:
         return Finding(unavailable="no rank computed logits")
@@ -77,8 +78,9 @@ def run(client: EngineClient, probe: Probe, timeout: float) -> Finding:
     kwargs = {"tokens": list(probe.tokens) if probe.tokens else None, "scan": probe.scan}
     try:
         results = client.collective_rpc(PROBE_METHOD, kwargs, timeout=timeout)
-    except EngineCallFailed as exc:
-        if PROBE_METHOD in (exc.detail or str(exc)) and "attribute" in (exc.detail or str(exc)):
+    except EngineCallFailed as exc:  # AttributeError (mp executor), NotImplementedError (uni, ray)
+        said = (exc.detail or str(exc)).lower()
+        if PROBE_METHOD in said and ("attribute" in said or "not implemented" in said):
             return Finding(unavailable=OLD_EXTENSION)
         raise
     return judge(results)

@@ -72,9 +72,10 @@ def hot_swap(
 
     `extension`: load through the worker extension; its report is returned under `load`.
     `pause_mode`: how to pause, when not the engine's configured way.
-    `probe`: a forward pass on every rank, still paused: weights it finds broken (or a probe
-    that fails or times out) are a failed load, the fallback loaded back before the resume
-    (`ReloadFailed.probed`), so no client request ever reaches them.
+    `probe`: a forward pass on every rank, still paused: weights it finds broken are a failed
+    load, the fallback loaded back before the resume (`ReloadFailed.probed`), so no client
+    request ever reaches them; a probe with no answer loads it back too, blaming nothing
+    (`ReloadFailed.unjudged`).
 
     Returns per-phase durations. Raises `ReloadFailed` (after restoring `fallback` when the
     engine is still answering) or `EngineUnavailable`. Whatever happens after the pause
@@ -146,8 +147,8 @@ def _probe(
     try:
         with _timed(timings, "probe"):
             found = probe(client)
-    except EngineError as exc:
-        raise _restore(client, fallback, f"probe: {exc}", extension, probed=True) from exc
+    except EngineError as exc:  # no answer: the engine's condition, not the weights' (not blamed)
+        raise _restore(client, fallback, f"probe: no answer: {exc}", extension, unjudged=True) from exc
     if found.broken is not None:
         raise _restore(client, fallback, f"probe: {found.broken}", extension, probed=True)
     if found.unavailable is not None:
@@ -188,6 +189,7 @@ def _restore(
     changed: bool = False,
     refused: bool = False,
     probed: bool = False,
+    unjudged: bool = False,
 ) -> ReloadFailed:
     """The model may now hold a mix of old and new tensors (or, after a sleep, none): load
     the last good one back, if the engine is awake to take it. After a refusal (`refused`) a
@@ -202,6 +204,7 @@ def _restore(
             changed=changed,
             refused=refused,
             probed=probed,
+            unjudged=unjudged,
         )
     try:
         client.reload_weights(fallback.path, extension=extension, files=fallback.files)
@@ -227,6 +230,7 @@ def _restore(
             changed=changed,
             refused=refused,
             probed=probed,
+            unjudged=unjudged,
         )
     return ReloadFailed(
         f"{cause}; restored {fallback.version}",
@@ -235,6 +239,7 @@ def _restore(
         changed=changed,
         refused=refused,
         probed=probed,
+        unjudged=unjudged,
     )
 
 

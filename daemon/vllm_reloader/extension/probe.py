@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +25,9 @@ from typing import Any
 
 import torch
 
+_STATEFUL = re.compile(r"Mamba|LinearAttention|ShortConv|GatedDeltaNet|Lightning")
+"""Layers that, given no attention metadata (a warm-up), return memory as allocated: a pass
+through them would judge whatever that memory held."""
 FLAT = 1e-6
 """Logits closer than this across the vocabulary at a position count as equal."""
 SCAN_CHUNK = 1 << 24
@@ -60,8 +64,16 @@ def probe(worker: Any, tokens: list[int] | None, scan: bool) -> dict[str, Any]:
 def _unavailable(runner: Any) -> str | None:
     if not callable(getattr(runner, "_dummy_run", None)):
         return "this vLLM's model runner has no _dummy_run"
-    if getattr(getattr(runner, "parallel_config", None), "data_parallel_size", 1) > 1:
+    parallel = getattr(runner, "parallel_config", None)
+    if getattr(parallel, "data_parallel_size", 1) > 1:
         return "data parallel: a dummy pass on one engine would wait for the others"
+    if getattr(parallel, "pipeline_parallel_size", 1) > 1:
+        return "pipeline parallel: a dummy pass gives each later stage stale inputs, not the stage before's"
+    stateful = {type(m).__name__ for m in runner.get_model().modules() if _STATEFUL.search(type(m).__name__)}
+    if stateful:
+        return (
+            f"a hybrid model ({', '.join(sorted(stateful))}): its state layers leave their output undefined"
+        )
     if getattr(runner, "lora_config", None) is not None:
         return "LoRA is enabled: vLLM's dummy run would drop the adapters the engine holds"
     model_config = getattr(runner, "model_config", None)
@@ -129,9 +141,9 @@ def _quiet_attention(model: torch.nn.Module) -> Iterator[int]:
     layers = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
     impls: list[Any] = [getattr(m, "impl", None) for m in layers]
     impls = [i for i in impls if callable(getattr(i, "forward", None)) and "forward" not in vars(i)]
-    for impl in impls:
-        impl.forward = _zeros
     try:
+        for impl in impls:
+            impl.forward = _zeros
         yield len(impls)
     finally:
         for impl in impls:

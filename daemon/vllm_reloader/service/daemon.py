@@ -294,7 +294,7 @@ class Daemon:
             rebuilt = reconfigure.prepare(self.config_path, old, self.reloader, self.inbox.put, self.records)
         except (ConfigError, StateError) as exc:
             self.log.error("config.invalid", reason=str(exc), kept="previous config")
-            self.notifier.ready(status.line(self.snapshot()))
+            self._reloaded()
             return
         new = rebuilt.config
         if new.log != old.log:
@@ -312,4 +312,10 @@ class Daemon:
         self.adapters.reconfigure(new)
         self.reloader.reconfigure(new)
         self.log.info("config.reloaded", path=str(self.config_path))
-        self.notifier.ready(status.line(self.snapshot()))
+        self._reloaded()
+
+    def _reloaded(self) -> None:
+        """READY=1 after RELOADING=1; one dropped (a full queue) is sent again by the loop,
+        else `systemctl reload` would wait for it until its timeout."""
+        if not self.notifier.ready(status.line(self.snapshot())):
+            self.reporting.ready_sent = not self.notifier.enabled

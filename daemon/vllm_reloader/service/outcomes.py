@@ -52,7 +52,8 @@ class Decision:
     regate: str | None = None
     """A candidate whose files changed under the reload: gate it again once it settles."""
     refused: bool = False
-    """vLLM refused the load for want of device memory: the engine tries it again later."""
+    """The engine's condition, not the checkpoint's (vLLM refused the load for want of device
+    memory, or the probe gave no answer): the engine tries it again later, nothing blamed."""
 
 
 def decide(outcome: Outcome, *, now: float) -> Decision:
@@ -72,7 +73,7 @@ def decide(outcome: Outcome, *, now: float) -> Decision:
         failed = {"version": version, "path": path, "reason": str(error), "restored": error.restored}
         events.append(Event("error", "reload.failed", failed))
         rolled_back = error.restored and job.fallback is not None
-        cause = "changed" if error.changed else "probe" if error.probed else "reload"
+        cause = "changed" if error.changed else "probe" if error.probed or error.unjudged else "reload"
         if rolled_back and job.fallback is not None:
             fields = {"version": version, "to_version": job.fallback.version, "cause": cause}
             events.append(Event("warning", "reload.rolled_back", fields))
@@ -94,12 +95,12 @@ def decide(outcome: Outcome, *, now: float) -> Decision:
             tuple(events),
             owed,
             rollback=cause if rolled_back else None,
-            reject=blame if error.engine_up and not (error.changed or error.refused) else None,
+            reject=None if not error.engine_up or _not_blamed(error) else blame,
             serving=back,
             set_serving=back is not None,
             engine_down=None if error.restored else error,
             regate=job.candidate.name if error.changed else None,
-            refused=error.refused,
+            refused=error.refused or error.unjudged,
         )
     if error is not None:
         events.append(
@@ -194,6 +195,11 @@ def _canary_failed(outcome: Outcome, events: list[Event], owed: bool, now: float
         fingerprint=_fingerprint(job),
     )
     return Decision("failed", tuple(events), owed, reject=reject, serving=stays, set_serving=True)
+
+
+def _not_blamed(error: ReloadFailed) -> bool:
+    """A writer at the files, the engine's memory, a probe with no answer: not the checkpoint."""
+    return error.changed or error.refused or error.unjudged
 
 
 def _fingerprint(job: Job) -> str:

@@ -88,4 +88,6 @@ def reload_budget(config: Config) -> float:
     """The longest a reload may take, all its timeouts added: longer, the daemon is not healthy."""
     engine, readiness = config.engine, config.readiness
     drain = readiness.grace + readiness.drain_timeout if readiness.drain else 0.0
-    return drain + engine.pause_timeout + 2 * engine.reload_timeout + 6 * engine.timeout
+    canary = config.canary  # the probe's tokens asked before the pause, then its answer
+    probe = len(canary.prompts) * engine.timeout + canary.probe_timeout if canary.probe else 0.0
+    return drain + probe + engine.pause_timeout + 2 * engine.reload_timeout + 6 * engine.timeout
