@@ -94,12 +94,12 @@ DOCTORINGS = {
         "checkpoint_path",
         "reload_weights takes no weights_iterator/weights_path",
     ),
-    "probe's forward pass renamed": (
+    "probe's keyword renamed": (
         CPU_BUILD,
         "vllm/v1/worker/gpu_model_runner.py",
-        "def _dummy_run(",
-        "def _dummy_forward(",
-        "GPUModelRunner._dummy_run(num_tokens, ...) is gone",
+        "        is_profile: bool = False,",
+        "        profile: bool = False,",
+        "_dummy_run takes no 'is_profile'",
     ),
     "pause mode dropped": (
         CPU_BUILD,

@@ -44,8 +44,11 @@ class Model(torch.nn.Module):
         return self.lm_head(hidden)
 
 
-class Runner:
-    """What `probe` uses of vLLM's GPUModelRunner: `_dummy_run` reads its `input_ids` buffer."""
+class GPUModelRunner:
+    """What `probe` uses of vLLM's GPUModelRunner (the one it was proven on: its name and
+    module): `_dummy_run` reads its `input_ids` buffer."""
+
+    __module__ = "vllm.v1.worker.gpu_model_runner"
 
     def __init__(self) -> None:
         self.model = Model()
@@ -70,12 +73,12 @@ class Runner:
         return hidden, hidden[-1:]
 
 
-def probed(runner: Runner, tokens: list[int] | None = None, scan: bool = False) -> dict[str, Any]:
+def probed(runner: GPUModelRunner, tokens: list[int] | None = None, scan: bool = False) -> dict[str, Any]:
     return probe(SimpleNamespace(model_runner=runner, rank=0), tokens, scan)
 
 
 def test_probe_runs_the_given_tokens_eagerly_and_reports_finite_logits():
-    runner = Runner()
+    runner = GPUModelRunner()
     report = probed(runner, [3, 5, 7, 999])
     assert runner.runs == [{"tokens": [3, 5, 7], "is_profile": True}], "none outside the vocabulary"
     assert report["available"] and report["logits"] and report["finite"] and not report["flat"]
@@ -83,7 +86,7 @@ def test_probe_runs_the_given_tokens_eagerly_and_reports_finite_logits():
 
 
 def test_probe_quiets_attention_a_backend_leaves_undefined_and_only_for_the_pass():
-    runner = Runner()
+    runner = GPUModelRunner()
     assert probed(runner, [1, 2, 3])["finite"], "the NaN the backend leaves is zeros for the pass"
     hidden = torch.ones(2, HIDDEN)
     assert torch.isnan(runner.model.attn(hidden)).all(), "the backend is itself again after it"
@@ -93,13 +96,13 @@ def test_probe_quiets_attention_a_backend_leaves_undefined_and_only_for_the_pass
 
 
 def test_probe_draws_the_same_tokens_each_time_when_given_none():
-    first, second = Runner(), Runner()
+    first, second = GPUModelRunner(), GPUModelRunner()
     probed(first), probed(second)
     assert first.runs == second.runs and len(first.runs[0]["tokens"]) == 16
 
 
 def test_probe_finds_logits_an_exploding_lm_head_makes_infinite():
-    runner = Runner()
+    runner = GPUModelRunner()
     with torch.no_grad():
         runner.model.lm_head.weight.copy_(torch.sign(runner.model.lm_head.weight) * 3e38)
     report = probed(runner, [1, 2, 3])
@@ -107,7 +110,7 @@ def test_probe_finds_logits_an_exploding_lm_head_makes_infinite():
 
 
 def test_probe_finds_logits_that_are_flat():
-    runner = Runner()
+    runner = GPUModelRunner()
     with torch.no_grad():
         runner.model.lm_head.weight.zero_()
     report = probed(runner, [1, 2, 3])
@@ -115,20 +118,28 @@ def test_probe_finds_logits_that_are_flat():
 
 
 def test_probe_scan_names_a_nan_no_token_reaches():
-    runner = Runner()
+    runner = GPUModelRunner()
     with torch.no_grad():
         runner.model.embed.weight[VOCAB - 1, 0] = float("nan")  # an unused token's row
     report = probed(runner, [1, 2, 3], scan=True)
     assert report["finite"], "the forward pass never reads it"
     assert report["non_finite"] == "embed.weight"
-    assert probed(Runner(), [1], scan=True)["non_finite"] is None
+    assert probed(GPUModelRunner(), [1], scan=True)["non_finite"] is None
 
 
 def test_probe_reports_no_logits_on_a_pipeline_stage_before_the_last():
-    runner = Runner()
+    runner = GPUModelRunner()
     runner.stage_output = {"hidden_states": torch.zeros(3, HIDDEN)}  # IntermediateTensors
     report = probed(runner, [1, 2, 3])
     assert report["available"] and report["logits"] is False
+
+
+def test_probe_runs_only_on_the_runner_it_was_proven_on():
+    """vLLM 0.34's rewritten runners have a `_dummy_run` of their own: not the one proven."""
+    copied = {k: v for k, v in vars(GPUModelRunner).items() if k not in ("__dict__", "__weakref__")}
+    rewritten = type("ModelRunner", (), {**copied, "__module__": "vllm.v1.worker.gpu.model_runner"})
+    report = probed(rewritten(), [1, 2])
+    assert report["available"] is False and "(ModelRunner)" in report["why"]
 
 
 @pytest.mark.parametrize(
@@ -138,12 +149,12 @@ def test_probe_reports_no_logits_on_a_pipeline_stage_before_the_last():
         (lambda r: setattr(r.parallel_config, "data_parallel_size", 2), "data parallel"),
         (lambda r: setattr(r.parallel_config, "pipeline_parallel_size", 2), "pipeline parallel"),
         (lambda r: setattr(r.model, "mixer", type("MambaMixer2", (torch.nn.Module,), {})()), "hybrid"),
-        (lambda r: setattr(r, "_dummy_run", None), "has no _dummy_run"),
+        (lambda r: setattr(r, "_dummy_run", None), "has no GPUModelRunner._dummy_run"),
         (lambda r: setattr(r, "_dummy_run", lambda n, **_: 1 / 0), "raised ZeroDivisionError"),
     ],
 )
 def test_probe_says_why_it_cannot_run_and_changes_nothing(change, why: str):
-    runner = Runner()
+    runner = GPUModelRunner()
     change(runner)
     report = probed(runner, [1, 2])
     assert report["available"] is False and why in report["why"]

@@ -367,11 +367,15 @@ def _worker(release: str, trees: Trees, known: Classes) -> list[str]:
 
 def _probe(release: str, trees: Trees) -> list[str]:
     """The probe inside the pause (`extension/probe.py`): `GPUModelRunner._dummy_run(num_tokens,
-    …)` with the keywords it passes; without it every reload is judged by the canary alone."""
+    …)` with the keywords it passes. A release without it (0.34 rewrote its runners) gets no
+    probe, which the extension says (`engine.probe_unavailable`): no problem here; one with it
+    changed would be probed wrongly."""
     runner = _function(trees.get(RUNNER), "GPUModelRunner", "_dummy_run")
-    where = f"({RUNNER}; extension/probe.py: engine.probe_unavailable)"
-    if runner is None or [a.arg for a in runner.args.args[:2]] != ["self", "num_tokens"]:
-        return [f"vLLM {release}: GPUModelRunner._dummy_run(num_tokens, ...) is gone {where}"]
+    where = f"({RUNNER}; extension/probe.py)"
+    if runner is None:
+        return []
+    if [a.arg for a in runner.args.args[:2]] != ["self", "num_tokens"]:
+        return [f"vLLM {release}: GPUModelRunner._dummy_run takes no leading num_tokens {where}"]
     names = {a.arg for a in runner.args.args + runner.args.kwonlyargs}
     return [f"vLLM {release}: _dummy_run takes no {k!r} {where}" for k in PROBE_KEYWORDS if k not in names]
 
