@@ -16,7 +16,6 @@ import torch
 
 from tests.support import background
 from tests.support.checkpoints import write_manifest
-from tests.support.e2e_world import World
 from tests.support.engine_fixtures import (
     API_KEY,
     DaemonProcess,
@@ -135,11 +134,21 @@ def test_e2e_probe_loads_back_weights_that_break_the_forward_pass_before_any_cli
 
 
 @pytest.mark.oldest
-def test_e2e_probe_changes_nothing_a_request_kept_through_the_pause_holds(world: World):
+def test_e2e_probe_changes_nothing_a_request_kept_through_the_pause_holds(tmp_path: Path):
     """A long greedy generation, paused mid-way (`keep`: its KV cache kept), probed, resumed,
     answers token for token what it answers with no pause at all: the probe's forward pass
-    wrote into no cache block in use and moved no scheduler or sampler state."""
-    engine = world.engine
+    wrote into no cache block in use and moved no scheduler or sampler state. An engine of its
+    own, no daemon: nothing else pauses or reloads it meanwhile."""
+    from vllm_reloader.tools.tinymodel import write_checkpoint
+
+    engine = start_engine(write_checkpoint(tmp_path / "model", seed=1), tmp_path / "engine.log")
+    try:
+        _generate_across_a_probe(engine)
+    finally:
+        engine.stop()
+
+
+def _generate_across_a_probe(engine: Engine) -> None:
     body = {"model": "tiny", "prompt": "w1 w2 w3 w4", "max_tokens": 160, "temperature": 0, "ignore_eos": True}
     alone = engine.http.post("/v1/completions", json=body, timeout=300).json()["choices"][0]["text"]
     streamed: list[str] = []
