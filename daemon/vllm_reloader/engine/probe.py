@@ -73,8 +73,9 @@ OLD_EXTENSION = "the engine's worker extension predates the probe: restart the e
 
 
 def run(client: EngineClient, probe: Probe, timeout: float) -> Finding:
-    """Ask every worker, still paused; an error answer or none within `timeout` is a failed
-    probe (`EngineError`, raised: the caller loads the last good weights back)."""
+    """Ask every worker, still paused. An error answer or none within `timeout` is raised
+    (`EngineError`: the caller loads the last good weights back, blaming nothing), except a
+    worker without the method: an extension older than the daemon (`OLD_EXTENSION`)."""
     kwargs = {"tokens": list(probe.tokens) if probe.tokens else None, "scan": probe.scan}
     try:
         results = client.collective_rpc(PROBE_METHOD, kwargs, timeout=timeout)

@@ -195,17 +195,10 @@ def _restore(
     the last good one back, if the engine is awake to take it. After a refusal (`refused`) a
     restore refused too means no rank touched a weight: each refused one load or the other,
     and one that took the new weights took the old ones back."""
+    why_failed = {"changed": changed, "refused": refused, "probed": probed, "unjudged": unjudged}
     if fallback is None or not woken:
         why = "no checkpoint to restore" if fallback is None else "the engine did not wake up"
-        return ReloadFailed(
-            f"{cause}; {why}",
-            restored=False,
-            engine_up=woken,
-            changed=changed,
-            refused=refused,
-            probed=probed,
-            unjudged=unjudged,
-        )
+        return ReloadFailed(f"{cause}; {why}", restored=False, engine_up=woken, **why_failed)
     try:
         client.reload_weights(fallback.path, extension=extension, files=fallback.files)
         if problem := fallback.changed():
@@ -227,20 +220,9 @@ def _restore(
             f"{cause}; restoring {fallback.version} failed too: {again}",
             restored=False,
             engine_up=not isinstance(again, EngineUnavailable),
-            changed=changed,
-            refused=refused,
-            probed=probed,
-            unjudged=unjudged,
+            **why_failed,
         )
-    return ReloadFailed(
-        f"{cause}; restored {fallback.version}",
-        restored=True,
-        engine_up=True,
-        changed=changed,
-        refused=refused,
-        probed=probed,
-        unjudged=unjudged,
-    )
+    return ReloadFailed(f"{cause}; restored {fallback.version}", restored=True, engine_up=True, **why_failed)
 
 
 def _resume(client: EngineClient, on_failed: Callable[[EngineError], None]) -> None:
