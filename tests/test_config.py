@@ -48,6 +48,8 @@ def test_config_is_frozen():
         (MINIMAL.replace("http://127.0.0.1:8000/", "127.0.0.1:8000"), "engine.url"),
         (MINIMAL + "[engine]\n", "not valid TOML"),
         (MINIMAL.replace('url = "http', 'pause_mode = "drop"\nurl = "http'), "engine.pause_mode"),
+        (MINIMAL + '[gate]\nscan = "gpu"\n', "gate.scan"),
+        (MINIMAL + '[gate]\nscan = "engine"\n[canary]\nprobe = false\n', "set canary.probe = true"),
     ],
 )
 def test_config_error_names_the_key_on_one_line(text, message):

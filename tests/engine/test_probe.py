@@ -18,14 +18,59 @@ GOOD = {"available": True, "logits": True, "finite": True, "flat": False, "max_a
 
 
 def test_probe_passes_finite_logits_and_sums_up_the_ranks():
-    found = probe.judge([GOOD, {**GOOD, "max_abs": 20.0, "scanned_bytes": 8}, {**GOOD, "scanned_bytes": 4}])
+    scanned = {**GOOD, "scanned_bytes": 4, "device": "cuda"}
+    found = probe.judge([scanned, {**scanned, "max_abs": 20.0, "scanned_bytes": 8}, scanned])
     assert found.broken is None and found.unavailable is None
     assert found.summary == {
         "max_abs_logit": 20.0,
         "entropy": 3.1,
         "ranks_with_logits": 3,
-        "scanned_bytes": 12,
+        "scanned_bytes": 16,
+        "device": "cuda",
     }
+
+
+def test_probe_reports_no_scan_unless_every_rank_scanned():
+    found = probe.judge([{**GOOD, "scanned_bytes": 8}, GOOD])
+    assert "scanned_bytes" not in found.summary
+
+
+def test_probe_reports_the_scan_even_where_no_forward_pass_ran():
+    pipeline = {"available": False, "why": "pipeline parallel", "scanned_bytes": 8, "device": "cpu"}
+    found = probe.judge([pipeline, pipeline])
+    assert found.unavailable == "rank 0: pipeline parallel"
+    assert found.summary == {"scanned_bytes": 16, "device": "cpu"}
+
+
+@pytest.mark.parametrize(
+    ("mode", "able", "device", "scans"),
+    [
+        ("host", True, "cuda", False),
+        ("engine", True, "cpu", True),
+        ("both", True, None, True),
+        ("engine", False, "cuda", False),  # no extension's probe: the host must
+        ("auto", True, "cuda", True),
+        ("auto", True, "cpu", False),  # clients would wait through it
+        ("auto", True, None, False),  # no probe answered yet: the host, to be safe
+    ],
+)
+def test_engine_scans_only_where_asked_and_able(mode, able, device, scans):
+    assert probe.engine_scans(mode, able=able, device=device) is scans
+
+
+@pytest.mark.parametrize(
+    ("mode", "engines", "scans"),
+    [
+        ("host", [True], True),
+        ("both", [True, True], True),
+        ("engine", [True, True], False),
+        ("engine", [True, False], True),  # one engine would load the bytes unscanned
+        ("auto", [True], False),
+        ("auto", [False], True),
+    ],
+)
+def test_gate_scans_unless_every_engine_does(mode, engines, scans):
+    assert probe.host_scans(mode, engines) is scans
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,20 @@ any request reaches them, rejected like a failed canary; where no probe can run,
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from tests.support.checkpoints import write_manifest
 from tests.support.fake_engine import FakeEngine, unreachable
+from vllm_reloader import config
+from vllm_reloader.checkpoint import gate
+from vllm_reloader.checkpoint.order import Candidate
+from vllm_reloader.engine.swap import Target
+from vllm_reloader.service.jobs import Job, Outcome, ReloadWorker
+from vllm_reloader.service.outcomes import decide
 
 
 def test_daemon_loads_the_last_good_weights_back_before_any_request_reaches_weights_its_probe_finds_broken(
@@ -74,3 +87,105 @@ def test_daemon_blames_no_checkpoint_for_a_probe_that_gives_no_answer_and_tries_
     del engine.fail["probe"]
     running.wait_for("reload.succeeded", version="step-2", timeout=20)
     assert running.events("checkpoint.rejected") == [], "nothing blamed"
+
+
+def _with_one_nan(directory: Path) -> None:
+    """One NaN in the embedding row of a token no prompt uses (the gate's scan would see it)."""
+    tensors = load_file(directory / "model.safetensors")
+    tensors["model.embed_tokens.weight"][15, 3] = np.nan
+    save_file(tensors, str(directory / "model.safetensors"))
+    write_manifest(directory, step=int(directory.name.split("-")[1]))
+
+
+def test_with_scan_engine_the_gate_only_hashes_and_the_probe_finds_nan_before_the_resume(
+    start, root, make_checkpoint
+):
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    engine.extension = True
+    running = start(engine, gate=config.GateConfig(scan="engine"))
+    running.wait_for("engine.reconciled")
+    _with_one_nan(make_checkpoint("step-2", step=2, root=root, seed=2))
+    rolled = running.wait_for("reload.rolled_back", version="step-2")
+    assert rolled["cause"] == "probe" and engine.loaded == str(root / "step-1") and not engine.paused
+    rejected = running.wait_for("checkpoint.rejected", name="step-2")
+    assert rejected["check"] == "probe"
+    assert "model.embed_tokens.weight holds NaN or Inf" in str(rejected["reason"])
+    assert engine.probes[-1]["scan"] is True and engine.probes[-1]["paused"] is True
+    make_checkpoint("step-3", step=3, root=root, seed=3)
+    done = running.wait_for("reload.succeeded", version="step-3")
+    assert done["probe_scanned_bytes"] == sum(4 * 8 * n for n in (16, 32, 16)), "every parameter read"
+
+
+def test_with_scan_engine_an_engine_without_the_extension_gets_host_scanned_weights(
+    start, root, make_checkpoint
+):
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))  # no extension: it cannot scan
+    running = start(engine, gate=config.GateConfig(scan="engine"))
+    running.wait_for("engine.reconciled")
+    _with_one_nan(make_checkpoint("step-2", step=2, root=root, seed=2))
+    rejected = running.wait_for("checkpoint.rejected", name="step-2")
+    assert rejected["check"] == "finite", "the gate scanned"
+    assert running.events("reload.started") == [] and engine.loaded == str(root / "step-1")
+
+
+@pytest.mark.parametrize(("device", "scanned_by"), [("cuda", "probe"), ("cpu", "finite")])
+def test_scan_auto_moves_to_the_engine_once_a_probe_showed_an_accelerator(
+    start, root, make_checkpoint, device, scanned_by
+):
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    engine.extension, engine.device = True, device
+    running = start(engine)  # scan = "auto"
+    running.wait_for("engine.reconciled")
+    make_checkpoint("step-2", step=2, root=root, seed=2)
+    running.wait_for("reload.succeeded", version="step-2")
+    assert engine.probes[-1]["scan"] is False, "no probe had said where the weights are: the host scanned"
+    _with_one_nan(make_checkpoint("step-3", step=3, root=root, seed=3))
+    rejected = running.wait_for("checkpoint.rejected", name="step-3")
+    assert rejected["check"] == scanned_by and engine.loaded == str(root / "step-2")
+
+
+def _job(engine: FakeEngine, directory: Path, **fields: object) -> Job:
+    files = gate.check(directory, serving=None, options=gate.GateOptions(check_finite=False)).files
+    return Job(
+        client=engine.client(),
+        candidate=Candidate(directory.name, 2, "fp-2"),
+        target=Target(directory.name, str(directory), files),
+        rollback=None,
+        size=1,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def test_weights_the_gate_left_unscanned_are_scanned_by_the_host_before_the_pause_for_an_engine_that_cannot(
+    root, make_checkpoint
+):
+    """The gate skipped the scan (every engine scanned then); the engine that loads it cannot now
+    (it restarted without the extension): the host reads the files first, and nothing is sent."""
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    directory = make_checkpoint("step-2", step=2, root=root, seed=2)
+    _with_one_nan(directory)
+    reports: list[object] = []
+    worker = ReloadWorker(reports.append)
+    worker.handle(_job(engine, directory, host_scan=gate.GateOptions(verify_digests=False)))
+    [outcome] = reports
+    assert isinstance(outcome, Outcome) and "model.embed_tokens.weight" in str(outcome.non_finite)
+    assert engine.methods == [] and engine.pause_modes == [] and engine.loaded == str(root / "step-1")
+    decision = decide(outcome, now=1.0)
+    assert decision.reject is not None and decision.reject.check == "finite"
+    assert decision.reject.fingerprint == "fp-2" and not decision.set_serving
+
+
+def test_a_host_scan_of_clean_files_lets_the_reload_go_on(root, make_checkpoint):
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    directory = make_checkpoint("step-2", step=2, root=root, seed=2)
+    reports: list[object] = []
+    ReloadWorker(reports.append).handle(_job(engine, directory, host_scan=gate.GateOptions()))
+    [outcome] = reports
+    assert isinstance(outcome, Outcome) and outcome.error is None and outcome.non_finite is None
+    assert engine.loaded == str(directory)
+

@@ -75,6 +75,7 @@ def start(tmp_path: Path, root: Path) -> Iterator[Callable[..., Running]]:
         timeout: float = 10.0,
         readiness: config.ReadinessConfig | None = None,
         adapters: config.AdaptersConfig | None = None,
+        gate: config.GateConfig | None = None,
         **source: object,
     ) -> Running:
         """`followers`: more engines on the host, at `follower_url(i)`; a URL (a real socket, such
@@ -98,6 +99,7 @@ def start(tmp_path: Path, root: Path) -> Iterator[Callable[..., Running]]:
             canary=canary or config.CanaryConfig(),
             readiness=readiness or config.ReadinessConfig(),
             adapters=adapters or config.AdaptersConfig(),
+            gate=gate or config.GateConfig(),
         )
         fakes = [engine, *followers]
         clients = {

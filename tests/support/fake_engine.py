@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import numpy as np
+from safetensors.numpy import load_file
 
 from vllm_reloader.checkpoint.files import changed
 from vllm_reloader.config import EngineConfig
@@ -50,6 +52,8 @@ class FakeEngine:
         unless what is loaded is `probe_broken`)."""
         self.probes: list[dict[str, object]] = []
         """The probe's kwargs, each time, and whether the engine was paused then."""
+        self.device = "cpu"
+        """Where its weights are, as its probe reports (`cuda`: an accelerator)."""
         self.fail: dict[str, Callable[[], httpx.Response]] = {}
         """endpoint (or 'reload:<path>') -> response factory, or raise inside it."""
         self.during_load: Callable[[str], None] | None = None
@@ -142,7 +146,8 @@ class FakeEngine:
                 return httpx.Response(500, json={"error": {"message": "weights are asleep"}})
             if body["method"] == "reloader_probe" and self.extension:
                 self.probes.append({**body["kwargs"], "paused": self.paused, "loaded": self.loaded})
-                return httpx.Response(200, json={"results": self._probe_answers()})
+                scan = bool(body["kwargs"].get("scan"))
+                return httpx.Response(200, json={"results": self._probe_answers(scan)})
             if body["method"] == EXTENSION_METHOD:
                 if not self.extension:  # what vLLM answers for a method no worker has
                     return httpx.Response(500, json={"error": {"message": "no attribute"}})
@@ -199,12 +204,23 @@ class FakeEngine:
             return httpx.Response(200, json={"success": True})
         return httpx.Response(404)
 
-    def _probe_answers(self) -> list[object]:
+    def _probe_answers(self, scan: bool) -> list[object]:
         if self.probe_answers is not None:
             return self.probe_answers
         finite = self.loaded not in self.probe_broken
         answer = {"available": True, "logits": True, "finite": finite, "flat": False, "max_abs": 9.5}
+        answer |= {"device": self.device, **(self._scan() if scan else {})}
         return [{**answer, "rank": rank, "entropy": 2.5} for rank in range(self.ranks)]
+
+    def _scan(self) -> dict[str, object]:
+        """As the extension's scan: the first loaded tensor holding NaN or Inf, and the bytes read."""
+        scanned = 0
+        for shard in sorted(Path(self.loaded).glob("*.safetensors")):
+            for name, tensor in load_file(shard).items():
+                if not np.isfinite(tensor).all():
+                    return {"non_finite": name, "scanned_bytes": scanned}
+                scanned += tensor.nbytes
+        return {"non_finite": None, "scanned_bytes": scanned}
 
     def _load(self, path: str, files: dict[str, list[int]] | None) -> str | None:
         """Like the extension: refuse files that are not the verified ones, read each shard

@@ -100,7 +100,14 @@ class SourceConfig(Section):
 class GateConfig(Section):
     verify_digests: bool = True
     check_finite: bool = True
-    """Reject a checkpoint with NaN or Inf in any float tensor (reads every byte, after the digests)."""
+    """Reject a checkpoint with NaN or Inf in any float tensor (off: no scan anywhere)."""
+    scan: Literal["auto", "host", "engine", "both"] = "auto"
+    """Where the NaN/Inf scan runs: `host` (the gate reads every value), `engine` (each rank
+    checks its loaded parameters inside the pause, with the probe: a GPU reads its memory
+    ~100x faster than 2 host cores read the files; the gate then only hashes), `both`, or
+    `auto`: `engine` once every engine ran a probe on an accelerator, `host` for CPU engines
+    (there the scan would lengthen the pause clients wait through). An engine that cannot
+    scan (no worker extension, `canary.probe` off) always gets host-scanned weights."""
     digest_threads: int = Field(4, ge=1, le=64)
     max_header_bytes: int = Field(256 << 20, ge=1)
     """The safetensors headers of one checkpoint's shards together, in bytes, as their 8-byte
@@ -304,6 +311,15 @@ class Config(Section):
     readiness: ReadinessConfig = ReadinessConfig()
     rollout: RolloutConfig = RolloutConfig()
     adapters: AdaptersConfig = AdaptersConfig()
+
+    @model_validator(mode="after")
+    def _engine_scan_needs_the_probe(self) -> Config:
+        if self.gate.scan in ("engine", "both") and self.gate.check_finite and not self.canary.probe:
+            raise ValueError(
+                f'gate.scan = "{self.gate.scan}" scans inside the probe: set canary.probe = true, '
+                'or gate.scan = "host"'
+            )
+        return self
 
     @model_validator(mode="after")
     def _followers_need_a_store(self) -> Config:

@@ -51,21 +51,46 @@ def judge(results: Sequence[Any]) -> Finding:
             return Finding(broken=f"rank {rank}: the logits of a forward pass are not finite")
         if report.get("logits") and report.get("flat"):
             return Finding(broken=f"rank {rank}: every token equally likely at every position")
+    scanned = _scanned(reports)
     for rank, report in enumerate(reports):
         if not report["available"]:
-            return Finding(unavailable=f"rank {rank}: {report.get('why') or 'no forward pass'}")
+            why = f"rank {rank}: {report.get('why') or 'no forward pass'}"
+            return Finding(unavailable=why, summary=scanned)
     with_logits = [r for r in reports if r.get("logits")]
     if not with_logits:
-        return Finding(unavailable="no rank computed logits")
-    summary = {
+        return Finding(unavailable="no rank computed logits", summary=scanned)
+    summary: dict[str, Any] = {
         "max_abs_logit": max(float(r.get("max_abs") or 0.0) for r in with_logits),
         "entropy": with_logits[0].get("entropy"),
         "ranks_with_logits": len(with_logits),
     }
-    scanned = [r["scanned_bytes"] for r in reports if isinstance(r.get("scanned_bytes"), int)]
-    if scanned:
-        summary["scanned_bytes"] = sum(scanned)
-    return Finding(summary=summary)
+    return Finding(summary=summary | scanned)
+
+
+def _scanned(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The bytes every rank scanned (only when every rank did), and the device they are on."""
+    found: dict[str, Any] = {}
+    if isinstance(device := reports[0].get("device") if reports else None, str):
+        found["device"] = device
+    scanned = [r.get("scanned_bytes") for r in reports]
+    if scanned and all(isinstance(n, int) for n in scanned):
+        found["scanned_bytes"] = sum(n for n in scanned if isinstance(n, int))
+    return found
+
+
+def engine_scans(mode: str, *, able: bool, device: str | None) -> bool:
+    """Whether an engine checks its loaded parameters for NaN/Inf inside the pause (`[gate]
+    scan`): only one `able` to (its extension's probe on); with `auto`, once a probe showed
+    the weights on an accelerator (on a CPU engine clients would wait through a pass the
+    host overlaps with the writer)."""
+    if not able or mode == "host":
+        return False
+    return mode in ("engine", "both") or device not in (None, "cpu")
+
+
+def host_scans(mode: str, engines_scan: Sequence[bool]) -> bool:
+    """Whether the gate scans: asked to, or some engine would load the bytes unscanned."""
+    return mode in ("host", "both") or not all(engines_scan)
 
 
 PROBE_METHOD = "reloader_probe"

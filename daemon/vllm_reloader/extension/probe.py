@@ -40,11 +40,13 @@ def probe(worker: Any, tokens: list[int] | None, scan: bool) -> dict[str, Any]:
     """What a forward pass on this rank gave: `available` False (with `why`) where this vLLM
     cannot run one without side effects; else `logits` (this rank computes them), `finite`,
     `flat`, `max_abs`, `entropy` (of the first position's distribution, in nats), and with
-    `scan` the first parameter holding NaN or Inf (`non_finite`), all within `ms`."""
+    `scan` the first parameter holding NaN or Inf (`non_finite`) and `scanned_bytes`, all
+    within `ms`; `device` is the parameters' (`cuda`, `cpu`, ...)."""
     started = time.perf_counter()
     runner = worker.model_runner
     report: dict[str, Any] = {"rank": getattr(worker, "rank", None), "available": True}
     model = runner.get_model()
+    report["device"] = next((p.device.type for p in model.parameters()), None)
     with torch.inference_mode():
         if scan:
             report["non_finite"], report["scanned_bytes"] = _scan(model)

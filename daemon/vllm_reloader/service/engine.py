@@ -13,6 +13,7 @@ from typing import Any
 
 from ..checkpoint import order
 from ..config import Config, EngineConfig
+from ..engine import probe
 from ..engine.client import (
     BUILTIN_LOADER_FIX,
     BUILTIN_LOADER_RISK,
@@ -58,6 +59,8 @@ class Engine:
     probe_unavailable: str | None = None
     """Why no forward pass inside the pause can judge its reloads (said once: the canary alone
     judges them)."""
+    device: str | None = None
+    """Where its weights are (`cuda`, `cpu`, ...), as its last probe said (None: none did)."""
 
     @classmethod
     def make(
@@ -108,6 +111,16 @@ class Engine:
         """When a failed reload here may be tried again (0: now)."""
         return self.follow.until(self.url) or 0.0
 
+    def can_scan(self, config: Config) -> bool:
+        """Its probe can check every loaded parameter for NaN/Inf (inside the pause)."""
+        extension = self.served.extension and self.probe_unavailable != probe.OLD_EXTENSION
+        return config.canary.probe and extension
+
+    def scans(self, config: Config) -> bool:
+        """Its probe checks every loaded parameter for NaN/Inf, as `[gate] scan` asks."""
+        able = config.gate.check_finite and self.can_scan(config)
+        return probe.engine_scans(config.gate.scan, able=able, device=self.device)
+
     def no_probe(self, why: str) -> None:
         """New weights are judged by the canary alone, on live traffic: said once per cause."""
         if why != self.probe_unavailable:
@@ -139,8 +152,12 @@ class Engine:
         """A follower loads a version that passed on the canary engine: a failed reload here is
         this engine's, retried with a backoff, and blames no checkpoint; a failed canary blames
         the version, for the whole host (loading the same weights again would fail again), and
-        so does a probe that found them broken."""
-        blames_weights = decision.reject is not None and decision.reject.check in ("canary", "probe")
+        so does a probe that found them broken, or a host scan that found NaN/Inf."""
+        blames_weights = decision.reject is not None and decision.reject.check in (
+            "canary",
+            "probe",
+            "finite",
+        )
         if decision.result == "succeeded" or blames_weights:
             self.last_error = None
             self.follow.succeeded(self.url)

@@ -29,6 +29,8 @@ class Gating:
 
     candidate: order.Candidate
     directory: Path
+    scans: bool = True
+    """The gate scans for NaN/Inf (else the engines do: `[gate] scan`)."""
     cancel: threading.Event = field(default_factory=threading.Event)
     progress: scan.Progress = field(default_factory=scan.Progress)
     started: float = field(default_factory=time.perf_counter)
@@ -56,6 +58,8 @@ class Ready:
     loading: Loaded
     size: int
     hold_until: float | None = None
+    host_scanned: bool = True
+    """The gate scanned it for NaN/Inf (else the engine that loads it must)."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,7 @@ class Gater(QueueWorker[_Job]):
         serving: layout.Layout | None,
         options: gate.GateOptions,
     ) -> Gating:
-        gating = Gating(candidate, directory)
+        gating = Gating(candidate, directory, scans=options.check_finite)
         super().submit(_Job(gating, serving, options))
         return gating
 

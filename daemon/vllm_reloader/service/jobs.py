@@ -14,9 +14,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Literal
 
 from .. import failpoints
+from ..checkpoint import gate
 from ..checkpoint.order import Candidate
 from ..config import CanaryConfig
 from ..engine import canary, probe
@@ -47,6 +49,11 @@ class Job:
     """What the engine serves once this succeeds (its name, step and fingerprint)."""
     drain: Drain | None = None
     """Out of rotation first, back after the canary (or the rollback); None: in place."""
+    scan: bool = False
+    """The probe checks every loaded parameter for NaN/Inf (`[gate] scan`)."""
+    host_scan: gate.GateOptions | None = None
+    """The gate skipped the NaN/Inf scan and this engine cannot do it: read the files for
+    it here, before the pause (these options say how)."""
 
     @property
     def fallback(self) -> Target | None:
@@ -68,6 +75,8 @@ class Outcome:
     """Probes after the rollback until one passed (0: none did)."""
     changed: str | None = None
     """The files were no longer the verified ones before the pause: nothing was sent."""
+    non_finite: str | None = None
+    """The host scan owed before the pause (`Job.host_scan`) found NaN/Inf: nothing was sent."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -141,6 +150,8 @@ class ReloadWorker(QueueWorker[Job | WarmUp | Ask]):
         failpoints.hit("after_gate")
         if problem := job.target.changed():
             return Outcome(job, 0.0, changed=problem)
+        if job.host_scan is not None and (scanned := _host_scan(job, job.host_scan)) is not None:
+            return scanned
         if job.drain is None:
             return self._swap(job, started)
         drained = job.drain.out(job.client.url, job.client.requests_in_flight)
@@ -206,12 +217,26 @@ class ReloadWorker(QueueWorker[Job | WarmUp | Ask]):
         return replace(outcome, timings=timings, canary_failed=reason, rolled_back=True, flush_probes=flushes)
 
 
+def _host_scan(job: Job, options: gate.GateOptions) -> Outcome | None:
+    """The NaN/Inf scan the gate left to engines that scan, for one that does not: None when
+    the files are the verified ones and finite."""
+    started = time.perf_counter()
+    verdict = gate.check(Path(job.target.path), serving=None, options=options)
+    seconds = time.perf_counter() - started
+    if verdict.status == "rejected" and verdict.details.get("check") == "finite":
+        return Outcome(job, seconds, non_finite=f"host scan (the engine cannot scan): {verdict.reason}")
+    verified = job.target.files
+    if verdict.status != "ready" or (verified is not None and dict(verdict.files) != dict(verified)):
+        return Outcome(job, seconds, changed=f"not the verified files at the host scan: {verdict.reason}")
+    return None
+
+
 def _prober(job: Job) -> Callable[[EngineClient], probe.Finding] | None:
     """The probe inside the pause, where the engine runs the worker extension and it is on."""
     config = job.canary
     if not (job.extension and config.probe):
         return None
-    asked = probe.Probe(tokens=probe.tokens_of(job.client, config.prompts))
+    asked = probe.Probe(tokens=probe.tokens_of(job.client, config.prompts), scan=job.scan)
     return lambda client: probe.run(client, asked, config.probe_timeout)
 
 

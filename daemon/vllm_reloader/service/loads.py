@@ -103,13 +103,22 @@ class Loads:
         if self.targets.holding(canary) and now < (self.ready.hold_until or 0.0):
             return None
         ready, self.ready = self.ready, None
-        return self._work(canary, ready.candidate, ready.loading, ready.size)
+        return self._work(canary, ready.candidate, ready.loading, ready.size, scanned=ready.host_scanned)
 
     def _work(
-        self, engine: Engine, candidate: order.Candidate, loading: Loaded, size: int, *, restore: bool = False
+        self,
+        engine: Engine,
+        candidate: order.Candidate,
+        loading: Loaded,
+        size: int,
+        *,
+        restore: bool = False,
+        scanned: bool = True,
     ) -> Work:
         """A reload (and its canary) on the engine's thread; a restore is neither drained nor
-        timed (it is no new checkpoint found)."""
+        timed (it is no new checkpoint found). `scanned`: the gate scanned the bytes for
+        NaN/Inf (else this engine's probe must, or the host before the pause); what engines
+        served before, or the canary engine serves, was scanned."""
         fallback = self.rollback_target(engine, skip=candidate.name)
         found = bool(candidate.fingerprint) and candidate.name != self.catalog.pinned
         lag_ms = detection_lag_ms(Path(loading.path)) if found else None
@@ -126,9 +135,14 @@ class Loads:
             strategy=strategy, loader="extension" if served.extension else "builtin",
         )  # fmt: skip
         target = Target(loading.version, loading.path, loading.files)
+        owed = not scanned and config.gate.check_finite
+        host_scan = None
+        if owed and not engine.can_scan(config):
+            host_scan = replace(gate.GateOptions.from_config(config), verify_digests=False)
         job = Job(
             client=engine.client, candidate=candidate, target=target, rollback=fallback, loading=loading,
             size=size, canary=config.canary, strategy=strategy, extension=served.extension,
+            scan=engine.scans(config) or (owed and host_scan is None), host_scan=host_scan,
         )  # fmt: skip
         return Work(
             "restore" if restore else "reload", job, lambda outcome: self.finished(engine, outcome),
@@ -171,8 +185,11 @@ class Loads:
     def finished(self, engine: Engine, outcome: Outcome) -> None:
         """A reload came back from the engine's thread: apply it, then say it (once recorded)."""
         decision = self.recalls.finished(engine.url, outcome.job, outcomes.decide(outcome, now=time.time()))
-        if why := (outcome.timings or {}).get("probe_unavailable"):
+        timings = outcome.timings or {}
+        if why := timings.get("probe_unavailable"):
             engine.no_probe(str(why))
+        if isinstance(device := timings.get("probe_device"), str):
+            engine.device = device
         follower = engine is not self.canary
         if follower or decision.refused:  # refused for memory: no verdict, the same one again later
             decision = engine.as_follower(decision)

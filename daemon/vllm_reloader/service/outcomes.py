@@ -66,6 +66,10 @@ def decide(outcome: Outcome, *, now: float) -> Decision:
     if outcome.changed is not None:
         events.append(_changed(outcome, outcome.changed, "before_pause"))
         return Decision("changed", tuple(events), owed, regate=job.candidate.name)
+    if outcome.non_finite is not None:  # nothing sent: the checkpoint's own bytes
+        candidate = job.candidate
+        blame = Rejecting(candidate.name, version, outcome.non_finite, candidate.fingerprint, "finite")
+        return Decision("failed", tuple(events), owed, reject=blame)
     if outcome.canary_failed is not None:
         return _canary_failed(outcome, events, owed, now)
     error = outcome.error

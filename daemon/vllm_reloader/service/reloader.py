@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 
 from .. import log
 from ..checkpoint import gate, order
 from ..config import Config
+from ..engine import probe
 from ..engine.client import EngineClient
 from ..records import RecordStore
 from ..sources.verdicts import Verdict
@@ -163,6 +165,8 @@ class Reloader:
         ready = self.loads.ready
         if best is not None and (ready is None or best.key > ready.candidate.key):
             options = gate.GateOptions.from_config(self.config)
+            scans = probe.host_scans(self.config.gate.scan, [e.scans(self.config) for e in self.engines])
+            options = replace(options, check_finite=options.check_finite and scans)
             self.gating = self.gater.submit(best, self.root / best.name, served.baseline, options)
 
     def snapshot(self, newer: bool = False) -> Snapshot:
@@ -218,7 +222,8 @@ class Reloader:
                 name=name, version=version, path=path, since=0, step=manifest.step, files=files,
                 fingerprint=verdict.fingerprint,
             )  # fmt: skip
-            self.loads.ready = Ready(order.Candidate(name, manifest.step, verdict.fingerprint), loading, size)
+            candidate = order.Candidate(name, manifest.step, verdict.fingerprint)
+            self.loads.ready = Ready(candidate, loading, size, host_scanned=finished.gating.scans)
 
     def reverified(self, result: Reverified) -> None:
         self.loads.reverified(result)
