@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -92,3 +95,21 @@ def write_checkpoint(
     files.append({"path": "config.json", "size": 2, "blake3": blake3.blake3(b"{}").hexdigest()})
     manifest = {"format_version": 1, "version": version or directory.name, "files": files}
     (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+def hash_all(files: list[Path], make: Callable[[], Any], threads: int) -> None:
+    """Each file read as the gate must read it: into a reused buffer (one per thread), never
+    mapped (a mapping dies on a file truncated under it), `threads` files at a time."""
+    buffers = threading.local()
+
+    def one(path: Path) -> None:
+        state = make()
+        buffer = getattr(buffers, "buffer", None) or bytearray(16 << 20)
+        buffers.buffer, view = buffer, memoryview(buffer)
+        with path.open("rb", buffering=0) as f:
+            while n := f.readinto(view):
+                state.update(view[:n])
+        state.hexdigest()
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, files))

@@ -5,7 +5,8 @@ the same layout is published and hot-reloaded. Baselines, same run: (a) the engi
 restart on the same checkpoint (stop, start, healthy), (b) the page-cache memcpy bound
 (bytes ÷ measured memcpy bandwidth of this machine), (c) on the same engine, vLLM's own
 `reload_weights` against the worker extension's reader (pread into reused buffers, never a
-mapping of the file), alternating, `--rounds` each.
+mapping of the file), alternating, `--rounds` each; (d) the probe inside the pause, with and
+without its scan of every parameter, against the extension's reload (`probe_vs_reload`).
 
     .venv/bin/python bench/e2e.py [--hidden 2016 --layers 12]   # ~1 GB
 """
@@ -77,11 +78,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             daemon.stop()
             paths = [str(root / "step-1"), str(root / "step-2")]
             loaders = _compare_loaders(engine.http, paths, args.rounds)
+            probes = _time_probes(engine.http, args.rounds)
         finally:
             daemon.stop()
             engine.stop()
     bandwidth = _memcpy_gb_per_s(min(nbytes, 1 << 30))
-    phases = {k: done.get(k) for k in ("pause_ms", "reload_ms", "reset_ms", "resume_ms", "canary_ms")}
+    phases = {
+        k: done.get(k) for k in ("pause_ms", "reload_ms", "probe_ms", "reset_ms", "resume_ms", "canary_ms")
+    }
     reload_s = float(phases["reload_ms"] or 0) / 1000
     return emit({
         "benchmark": "e2e", "bytes": nbytes, "publish_to_serving_s": round(total_s, 3),
@@ -89,7 +93,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "engine_restart_s": round(restart_s, 2), "ratio_vs_restart": round(total_s / restart_s, 3),
         "memcpy_gb_per_s": round(bandwidth, 2), "memcpy_bound_ms": round(nbytes / bandwidth / 1e6, 1),
         "reload_vs_memcpy_bound": round(reload_s / (nbytes / bandwidth / 1e9), 2),
-        "loader": started_event.get("loader"), **loaders,
+        "loader": started_event.get("loader"), **loaders, **probes,
+        "probe_vs_reload": round(probes["probe_s"] / float(str(loaders["extension_reload_s"])), 3),
+        "probe_scan_vs_reload": round(probes["probe_scan_s"] / float(str(loaders["extension_reload_s"])), 3),
     })  # fmt: skip
 
 
@@ -129,6 +135,28 @@ def _compare_loaders(http, paths: list[str], rounds: int) -> dict[str, object]: 
         "extension_wait_s": reports[-1]["wait_s"],
         "extension_allocations_after_first": sum(int(r["buffers_allocated"]) for r in reports[1:]),
         "extension_memory_growth_bytes": int(reports[-1]["memory_after"]) - int(reports[0]["memory_after"]),
+    }
+
+
+def _time_probes(http, rounds: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Median seconds of the probe inside a pause (as the daemon runs it, on 16 tokens), with
+    and without the scan of every parameter, alternating; the pause itself not counted."""
+    from vllm_reloader.engine.probe import PROBE_METHOD
+
+    times: dict[bool, list[float]] = {False: [], True: []}
+    http.post("/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
+    try:
+        for i in range(max(3, rounds) * 2):
+            scan = bool(i % 2)
+            body = {"method": PROBE_METHOD, "kwargs": {"tokens": None, "scan": scan}}
+            started = time.perf_counter()
+            http.post("/collective_rpc", json=body, timeout=600).raise_for_status()
+            times[scan].append(time.perf_counter() - started)
+    finally:
+        http.post("/resume", timeout=60).raise_for_status()
+    return {
+        "probe_s": round(statistics.median(times[False]), 4),
+        "probe_scan_s": round(statistics.median(times[True]), 4),
     }
 
 

@@ -16,15 +16,13 @@ import argparse
 import hashlib
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import blake3
-from _common import emit, write_checkpoint
+from _common import emit, hash_all, write_checkpoint
 
 from vllm_reloader.checkpoint import gate
 
@@ -33,24 +31,6 @@ def _timed(work: Callable[[], object]) -> float:
     started = time.perf_counter()
     work()
     return time.perf_counter() - started
-
-
-def _hash_all(files: list[Path], make: Callable[[], Any], threads: int) -> None:
-    """Each file read as the gate must read it: into a reused buffer (one per thread), never
-    mapped (a mapping dies on a file truncated under it), `threads` files at a time."""
-    buffers = threading.local()
-
-    def one(path: Path) -> None:
-        state = make()
-        buffer = getattr(buffers, "buffer", None) or bytearray(16 << 20)
-        buffers.buffer, view = buffer, memoryview(buffer)
-        with path.open("rb", buffering=0) as f:
-            while n := f.readinto(view):
-                state.update(view[:n])
-        state.hexdigest()
-
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(one, files))
 
 
 def _case(
@@ -78,11 +58,11 @@ def _case(
             ),
             "blake3": min(
                 _timed(
-                    lambda: _hash_all(files, lambda: blake3.blake3(max_threads=blake3.blake3.AUTO), threads)
+                    lambda: hash_all(files, lambda: blake3.blake3(max_threads=blake3.blake3.AUTO), threads)
                 )
                 for _ in range(2)
             ),
-            "sha256": _timed(lambda: _hash_all(files, hashlib.sha256, threads)),
+            "sha256": _timed(lambda: hash_all(files, hashlib.sha256, threads)),
         }
     fastest = min(baselines, key=lambda k: baselines[k])
     return {

@@ -8,7 +8,12 @@ checkpoint appearing all at once (renamed in whole, page cache warm: nothing rea
 from the rename to `reload.started`'s timestamp), and published by `vllm-reloader publish`.
 The scripted engine answers at once, so only the daemon's share is measured.
 
-    .venv/bin/python bench/staged.py [--gb 1,8,16 --shards 8 --pace-mb-s 0 --dtypes BF16]
+`--scans host,engine` runs each case with `[gate] scan` so: with `engine` the scripted engine
+runs the worker extension (its probe answers that it scanned), so the gate only hashes and
+reads the headers; the whole checkpoint's complete → reload call is then also compared with
+blake3 alone over the same files, in the same run.
+
+    .venv/bin/python bench/staged.py [--gb 1,8,16 --shards 8 --pace-mb-s 0 --dtypes BF16 --scans host]
 """
 
 from __future__ import annotations
@@ -22,8 +27,13 @@ import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from _common import emit, write_checkpoint
+import blake3
+from _common import emit, hash_all, write_checkpoint
+
+if TYPE_CHECKING:
+    from tests.support.fake_engine import FakeEngine
 
 
 def _manifest(source: Path, target: Path, version: str, step: int) -> None:
@@ -44,9 +54,24 @@ def _copy(source: Path, target: Path, pace_mb_s: float) -> None:
                 time.sleep(ahead)
 
 
-def _case(gb: float, shards: int, pace_mb_s: float, dtype: str = "BF16") -> dict[str, object]:
+def _engine(startup: Path, scan: str) -> FakeEngine:
+    from tests.support.fake_engine import FakeEngine
+
+    engine = FakeEngine(startup=str(startup))
+    if scan == "engine":  # the extension's probe, which says it read every parameter
+        engine.extension = True
+        engine.probe_answers = [
+            {"available": True, "logits": True, "finite": True, "flat": False, "max_abs": 9.5,
+             "device": "cpu", "non_finite": None, "scanned_bytes": 1}
+        ]  # fmt: skip
+    return engine
+
+
+def _case(
+    gb: float, shards: int, pace_mb_s: float, dtype: str = "BF16", scan: str = "host"
+) -> dict[str, object]:
     from tests.support.engine_fixtures import DaemonProcess, daemon_config
-    from tests.support.fake_engine import FakeEngine, FakeEngineServer
+    from tests.support.fake_engine import FakeEngineServer
 
     from vllm_reloader.tools.publish import publish
 
@@ -63,8 +88,12 @@ def _case(gb: float, shards: int, pace_mb_s: float, dtype: str = "BF16") -> dict
         cat = ["cat", *map(str, shard_files)]
         subprocess.run(cat, stdout=subprocess.DEVNULL, check=True)
         cat_s = min(_timed_cat(cat) for _ in range(3))
-        server = FakeEngineServer(FakeEngine(startup=str(root / "step-1")))
-        config = daemon_config(base / "daemon.toml", root=root, engine_url=server.url, state_dir=base / "s")
+        blake3_s = min(_timed_blake3(shard_files) for _ in range(2))
+        server = FakeEngineServer(_engine(root / "step-1", scan))
+        config = daemon_config(
+            base / "daemon.toml", root=root, engine_url=server.url, state_dir=base / "s",
+            engine_extra=f'[gate]\nscan = "{scan}"\n',
+        )  # fmt: skip
         daemon = DaemonProcess(config)
         try:
             daemon.wait_for("engine.reconciled", version="step-1")
@@ -97,12 +126,20 @@ def _case(gb: float, shards: int, pace_mb_s: float, dtype: str = "BF16") -> dict
     published_s = float(published["detect_ms"]) / 1000  # type: ignore[arg-type]
     return {
         "benchmark": "staged", "gb": gb, "shards": shards, "dtype": dtype, "pace_mb_s": pace_mb_s or None,
+        "scan": scan, "blake3_s": round(blake3_s, 3), "ratio_whole_vs_blake3": round(whole_s / blake3_s, 3),
         "staged_complete_to_reload_s": round(staged_s, 3), "cached_bytes": ready.get("cached_bytes"),
         "whole_complete_to_reload_s": round(whole_s, 3), "cat_s": round(cat_s, 3),
         "published_complete_to_reload_s": round(published_s, 3),
         "ratio": round(staged_s / cat_s, 3), "ratio_whole": round(whole_s / cat_s, 3),
         "ratio_published": round(published_s / cat_s, 3),
     }  # fmt: skip
+
+
+def _timed_blake3(files: list[Path]) -> float:
+    """blake3 alone over the files, as the gate reads them (all cores, 4 files at a time)."""
+    started = time.perf_counter()
+    hash_all(files, lambda: blake3.blake3(max_threads=blake3.blake3.AUTO), 4)
+    return time.perf_counter() - started
 
 
 def _timed_cat(command: list[str]) -> float:
@@ -119,9 +156,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
         "--pace-mb-s", type=float, default=0.0, help="the writer's pace; 0: as fast as it goes"
     )
     parser.add_argument("--dtypes", default="BF16", help="comma-separated safetensors dtypes")
+    parser.add_argument("--scans", default="host", help="comma-separated `[gate] scan` values")
     args = parser.parse_args(argv)
     return [
-        emit(_case(float(gb), args.shards, args.pace_mb_s, dtype))
+        emit(_case(float(gb), args.shards, args.pace_mb_s, dtype, scan))
+        for scan in args.scans.split(",")
         for dtype in args.dtypes.split(",")
         for gb in args.gb.split(",")
     ]

@@ -45,9 +45,10 @@ def test_bench_quick_run_writes_every_benchmark_with_its_ratio(tmp_path):
     _measured(by_name["footprint"][0], "rss_mb", "baseline_rss_mb", "rss_ratio")
     (responsive,) = by_name["responsive"]
     _measured(responsive, "status_answers_during_gate", "watchdog_pings_during_gate")
-    (staged,) = by_name["staged"]
-    _measured(staged, "ratio", "ratio_whole", "ratio_published")
-    assert staged["cached_bytes"] is not None
+    assert [r["scan"] for r in by_name["staged"]] == ["host", "engine"]
+    for staged in by_name["staged"]:
+        _measured(staged, "ratio", "ratio_whole", "ratio_published", "ratio_whole_vs_blake3")
+        assert staged["cached_bytes"] is not None
     table = result.stdout.splitlines()
     for name in by_name:  # the table on stdout: one line per row, each with its ratio
         assert any(line.startswith(f"{name} ") and "ratio" in line for line in table), (name, table)
@@ -63,7 +64,7 @@ def test_bench_e2e_on_a_real_engine_splits_publish_to_serving_into_phases():
     assert report["benchmark"] == "e2e" and report["loader"] == "extension"
     assert all(report[k] is not None for k in ("detect_ms", "gate_ms", "pause_ms", "reload_ms", "resume_ms"))
     _measured(report, "bytes", "publish_to_serving_s", "engine_restart_s", "ratio_vs_restart")
-    _measured(report, "extension_speedup")
+    _measured(report, "extension_speedup", "probe_ms", "probe_s", "probe_scan_s", "probe_vs_reload")
     assert report["extension_allocations_after_first"] == 0
 
 

@@ -42,6 +42,15 @@ def overflowing_mlp(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.float() * 1e30 if name == "model.layers.0.mlp.down_proj.weight" else tensor.float()
 
 
+def nan_in_an_unused_row(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """One NaN in the embedding of the vocabulary's last token, which no prompt holds: no
+    forward pass on the prompts reaches it; only a scan of the parameters finds it."""
+    tensor = tensor.float()
+    if name == "model.embed_tokens.weight":
+        tensor[-1, 0] = float("nan")
+    return tensor
+
+
 Answer = tuple[float, str, int, str]
 """When it was sent (monotonic), to which engine, its status and its text."""
 
@@ -71,10 +80,13 @@ def clients(engines: list[Engine], stop: threading.Event, answers: list[Answer])
     ]
 
 
-@pytest.mark.parametrize("count", [1, 2], ids=["one-engine", "two-engines"])
+@pytest.mark.parametrize("count", [1, 2], ids=["one-engine-scan-engine", "two-engines-scan-auto"])
 def test_e2e_probe_loads_back_weights_that_break_the_forward_pass_before_any_client_request_reaches_them(
     tmp_path: Path, count: int
 ):
+    """One engine with `[gate] scan = "engine"`: the gate only hashes, and a NaN no forward
+    pass reaches is found by the engine's scan inside the pause. Two engines with `auto`: a CPU
+    engine leaves the scan to the host (the gate rejects that NaN, check `finite`)."""
     from vllm_reloader.tools.tinymodel import write_checkpoint
 
     root = tmp_path / "root"
@@ -92,6 +104,7 @@ def test_e2e_probe_loads_back_weights_that_break_the_forward_pass_before_any_cli
             root=root,
             engine_url=[e.url for e in engines],
             state_dir=tmp_path / "state",
+            engine_extra='[gate]\nscan = "engine"\n' if count == 1 else "",
         )
         daemon = DaemonProcess(config)
         try:
@@ -110,6 +123,16 @@ def test_e2e_probe_loads_back_weights_that_break_the_forward_pass_before_any_cli
                     rolled = daemon.wait_for("reload.rolled_back", version=f"step-{step}", timeout=300)
                     assert rolled["cause"] == "probe" and rolled["to_version"] == "step-2", rolled
                     daemon.wait_for("checkpoint.rejected", name=f"step-{step}", timeout=60)
+                staged = rewritten(seeds[1], tmp_path / "staged" / "step-5", nan_in_an_unused_row)
+                write_manifest(staged, step=5, overrides={"version": "step-5"})
+                staged.rename(root / "step-5")
+                rejected = daemon.wait_for("checkpoint.rejected", name="step-5", timeout=300)
+                if count == 1:
+                    assert rejected["check"] == "probe", rejected
+                    assert "model.embed_tokens.weight holds NaN or Inf" in rejected["reason"], rejected
+                    assert daemon.wait_for("reload.rolled_back", version="step-5")["cause"] == "probe"
+                else:
+                    assert rejected["check"] == "finite", "a CPU engine: the host scanned"
                 threading.Event().wait(1.0)
         finally:
             assert daemon.stop() == 0, "".join(daemon.raw[-20:])
@@ -126,6 +149,9 @@ def test_e2e_probe_loads_back_weights_that_break_the_forward_pass_before_any_cli
     broken = [a for a in since if a[3] not in good]
     assert broken == [], f"none answered by the broken weights: {broken[:3]}"
     assert not daemon.events("reload.started", version="step-3", engine=engines[-1].url) or count == 1
+    if count == 1:
+        [loaded] = daemon.events("reload.succeeded", version="step-2")
+        assert loaded["probe_scanned_bytes"] > 0 and loaded["probe_device"] == "cpu", loaded
     for step in (3, 4):
         started = daemon.events("reload.started", version=f"step-{step}")
         assert [e["engine"] for e in started] == [engines[0].url], (
