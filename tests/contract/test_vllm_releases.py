@@ -101,6 +101,13 @@ DOCTORINGS = {
         "        profile: bool = False,",
         "_dummy_run takes no 'is_profile'",
     ),
+    "probe's LoRA mapping renamed": (
+        CPU_BUILD,
+        "vllm/v1/worker/lora_model_runner_mixin.py",
+        "    def _set_active_loras(",
+        "    def _set_active_adapters(",
+        "LoRAModelRunnerMixin._set_active_loras takes no leading",
+    ),
     "pause mode dropped": (
         CPU_BUILD,
         "vllm/v1/engine/__init__.py",

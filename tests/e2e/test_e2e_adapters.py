@@ -217,6 +217,7 @@ def test_e2e_daemon_lands_adapter_versions_under_load_rejects_bad_ones_and_rolls
             _landed(root, "alpha", "step-6", _edited(served, staged / "diverged", diverged))
             rolled = daemon.wait_for("adapter.rolled_back", adapter="alpha", version="step-6", timeout=120)
             assert rolled["to_version"] == "step-3" and rolled["blamed"] is True, rolled
+            assert rolled["cause"] == "probe", "found before it was loaded: no client request reached it"
             with traffic.quiet():
                 assert engine.complete("alpha") == expected["alpha-3"], "the last good version serves again"
                 assert engine.complete() == base_answers, "the base model is untouched"
@@ -225,6 +226,10 @@ def test_e2e_daemon_lands_adapter_versions_under_load_rejects_bad_ones_and_rolls
         assert not daemon.events("adapter.loaded", version="step-4") + daemon.events(
             "adapter.loaded", version="step-5"
         )
+        loads = [e for e in daemon.events("adapter.loading", adapter="alpha") if e["version"] == "step-6"]
+        assert len(loads) == 1 and not daemon.events("adapter.loaded", version="step-6")
+        probed = daemon.events("adapter.loaded", adapter="alpha")
+        assert probed and all(e.get("probe_ms") is not None for e in probed), "every version was probed"
     finally:
         assert daemon.stop() == 0
         for name in ("alpha", "beta"):

@@ -3,13 +3,16 @@ that compute, overflow, flatten or hold NaN, and where it cannot run (the real e
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from vllm_reloader.extension.probe import probe
+from vllm_reloader.extension.probe import PROBE_LORA_ID, probe, probe_adapter
 
 VOCAB, HIDDEN = 32, 8
 
@@ -145,7 +148,7 @@ def test_probe_runs_only_on_the_runner_it_was_proven_on():
 @pytest.mark.parametrize(
     ("change", "why"),
     [
-        (lambda r: setattr(r, "lora_config", object()), "LoRA is enabled"),
+        (lambda r: setattr(r, "lora_config", object()), "no _set_active_loras"),
         (lambda r: setattr(r.parallel_config, "data_parallel_size", 2), "data parallel"),
         (lambda r: setattr(r.parallel_config, "pipeline_parallel_size", 2), "pipeline parallel"),
         (lambda r: setattr(r.model, "mixer", type("MambaMixer2", (torch.nn.Module,), {})()), "hybrid"),
@@ -158,3 +161,101 @@ def test_probe_says_why_it_cannot_run_and_changes_nothing(change, why: str):
     change(runner)
     report = probed(runner, [1, 2])
     assert report["available"] is False and why in report["why"]
+
+
+def test_probe_scan_reads_fp8_transposed_weights_and_buffers():
+    """torch has no isfinite for float8_e4m3fn; fp8 layers keep their weights transposed
+    (read in pieces, never copied whole); a buffer is read too."""
+    runner = GPUModelRunner()
+    runner.model.register_buffer("scale", torch.ones(4, 4, dtype=torch.float8_e4m3fn).t())
+    assert probed(runner, [1], scan=True)["non_finite"] is None
+    runner.model.scale[3, 0] = float("nan")
+    assert probed(runner, [1], scan=True)["non_finite"] == "scale"
+    runner = GPUModelRunner()
+    runner.model.lm_head.weight = torch.nn.Parameter(torch.zeros(HIDDEN, VOCAB).t())
+    runner.model.lm_head.weight.data[VOCAB - 1, 2] = float("inf")
+    assert not runner.model.lm_head.weight.is_contiguous()
+    assert probed(runner, [1], scan=True)["non_finite"] == "lm_head.weight"
+
+
+ADAPTERS = {"/adapters/ok": 0.0, "/adapters/overflows": 3e38}
+"""What each adapter path adds to the hidden states (a scripted LoRA delta)."""
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
+class LoraRunner(GPUModelRunner):
+    """With `--enable-lora`: vLLM's own dummy-run LoRA setup registers warm-up adapters and
+    removes every adapter after (`maybe_dummy_run_with_lora`, here as destructive)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lora_config = object()
+        self.adapters: dict[int, float] = {1: 0.0}  # a client's adapter, id 1
+        self.active: tuple[int, ...] = ()
+
+    def add_lora(self, request: LoRARequest) -> bool:
+        self.adapters[request.lora_int_id] = ADAPTERS[request.lora_path]
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.adapters.pop(lora_id, None) is not None
+
+    def _set_active_loras(self, prompt: tuple[int, ...], tokens: tuple[int, ...], requests: set) -> None:
+        assert {r.lora_int_id for r in requests} <= set(self.adapters)
+        self.active = tokens
+
+    @contextmanager
+    def maybe_dummy_run_with_lora(self, config: object, scheduled: Any, sampled: Any, remove: bool = True):
+        self.adapters = {i: 0.0 for i in range(1, 3)}  # warm-up adapters under the clients' ids
+        yield
+        self.adapters.clear()
+
+    def _dummy_run(self, num_tokens: int, is_profile: bool = False, skip_eplb: bool = False) -> Any:
+        import numpy as np
+
+        with self.maybe_dummy_run_with_lora(self.lora_config, np.array([num_tokens]), np.array([1])):
+            hidden, last = super()._dummy_run(num_tokens, is_profile, skip_eplb)
+            delta = self.adapters.get(self.active[0], 0.0) if self.active else 0.0
+            return hidden + delta, last
+
+
+@pytest.fixture
+def lora_module(monkeypatch):
+    module = ModuleType("vllm.lora.request")
+    module.LoRARequest = LoRARequest  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", module)
+
+
+def test_adapter_probe_finds_an_adapter_that_overflows_and_leaves_the_clients_adapters(lora_module):
+    runner = LoraRunner()
+    report = probe_adapter(SimpleNamespace(model_runner=runner, rank=0), "/adapters/overflows", [1, 2])
+    assert report["available"] and report["logits"] and report["finite"] is False
+    assert runner.active == (PROBE_LORA_ID, PROBE_LORA_ID), "every token of the pass ran the adapter"
+    assert runner.adapters == {1: 0.0}, "the probe's adapter removed, the client's kept, no warm-up ones"
+    assert "maybe_dummy_run_with_lora" not in vars(runner)
+    good = probe_adapter(SimpleNamespace(model_runner=runner, rank=0), "/adapters/ok", [1, 2])
+    assert good["finite"] and not good["flat"] and runner.adapters == {1: 0.0}
+
+
+def test_base_probe_with_lora_enabled_runs_on_no_adapter_and_keeps_the_clients_adapters(lora_module):
+    runner = LoraRunner()
+    report = probed(runner, [1, 2, 3])
+    assert report["available"] and report["finite"]
+    assert runner.active == (0, 0, 0) and runner.adapters == {1: 0.0}
+
+
+def test_adapter_probe_says_why_it_cannot_run(lora_module):
+    assert (
+        "not enabled"
+        in probe_adapter(SimpleNamespace(model_runner=GPUModelRunner()), "/adapters/ok", [1])["why"]
+    )
+    runner = LoraRunner()
+    refused = probe_adapter(SimpleNamespace(model_runner=runner), "/adapters/missing", [1])
+    assert refused["available"] is False and "vLLM did not load it" in refused["why"]
+    assert runner.adapters == {1: 0.0}

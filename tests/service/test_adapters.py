@@ -84,6 +84,10 @@ class ScriptedEngine:
     done: list[Work] = field(default_factory=list)
     """The work its scheduler ran on it, in order."""
 
+    def probes(self, _config: Any) -> bool:
+        """No worker extension: adapters are judged by their canary alone."""
+        return False
+
     def run(self, work: Work) -> None:
         """The engine's thread runs the work, and the loop applies its answer."""
         assert isinstance(work.run, Ask)

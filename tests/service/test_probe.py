@@ -9,12 +9,15 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from tests.service.test_owners import adapters_config, holding, lora_engines, until
+from tests.support.adapters import write_adapter
 from tests.support.checkpoints import write_manifest
-from tests.support.fake_engine import FakeEngine, unreachable
+from tests.support.fake_engine import FakeEngine, error, unreachable
 from vllm_reloader import config
 from vllm_reloader.checkpoint import gate
 from vllm_reloader.checkpoint.order import Candidate
 from vllm_reloader.engine.swap import Target
+from vllm_reloader.service.engine import SCAN_FAILED
 from vllm_reloader.service.jobs import Job, Outcome, ReloadWorker
 from vllm_reloader.service.outcomes import decide
 
@@ -189,3 +192,60 @@ def test_a_host_scan_of_clean_files_lets_the_reload_go_on(root, make_checkpoint)
     assert isinstance(outcome, Outcome) and outcome.error is None and outcome.non_finite is None
     assert engine.loaded == str(directory)
 
+
+class Named(set):  # type: ignore[type-arg]
+    """Paths whose last part starts with `prefix` (an adapter copy's name is its version, `@`,
+    its digest): what the fake engine's `garbage` holds, whatever the copy is called."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def __contains__(self, path: object) -> bool:
+        return isinstance(path, str) and Path(path).name.startswith(self.prefix)
+
+
+def test_an_adapter_version_the_probe_finds_broken_is_never_loaded_for_clients(
+    start, root, tmp_path, make_checkpoint
+):
+    make_checkpoint("step-1", step=1, root=root)
+    [engine] = lora_engines(root, 1)
+    engine.extension = True
+    loaded: list[str] = []
+    engine.during_lora = loaded.append
+    write_adapter(tmp_path / "adapters" / "support" / "step-1", seed=1)
+    running = start(engine, adapters=adapters_config(tmp_path))
+    until(lambda: holding(engine, "step-1"))
+    engine.garbage = Named("step-2@")  # NaN in use, and in the probe's pass
+    write_adapter(tmp_path / "adapters" / "support" / "step-2", seed=2)
+    rolled = running.wait_for("adapter.rolled_back", version="step-2", timeout=30)
+    assert rolled["cause"] == "probe" and rolled["blamed"] and rolled["to_version"] == "step-1", rolled
+    assert "not finite" in str(rolled["reason"])
+    assert holding(engine, "step-1") and [Path(p).name.split("@")[0] for p in loaded] == ["step-1"]
+    probed = [Path(str(p["adapter"])).name.split("@")[0] for p in engine.probes if "adapter" in p]
+    assert probed == ["step-1", "step-2"], "each version probed before it was loaded"
+    write_adapter(tmp_path / "adapters" / "support" / "step-3", seed=3)
+    until(lambda: holding(engine, "step-3"), what="the next good version loads")
+
+
+def test_a_scan_that_does_not_run_is_no_pass_and_the_host_scans_for_that_engine_after(
+    start, root, make_checkpoint
+):
+    """The engine's extension predates the probe (`scan = "engine"`): its weights were loaded
+    back unjudged, and from then on the host reads the files for that engine."""
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    engine.extension = True
+    engine.fail["probe"] = error(500, "'Worker' object has no attribute 'reloader_probe'")
+    asked_of: list[str] = []
+    engine.during_completion = lambda _model: asked_of.append(engine.loaded)
+    running = start(engine, gate=config.GateConfig(scan="engine"))
+    running.wait_for("engine.reconciled")
+    _with_one_nan(make_checkpoint("step-2", step=2, root=root, seed=2))
+    rolled = running.wait_for("reload.rolled_back", version="step-2")
+    assert rolled["cause"] == "probe" and engine.loaded == str(root / "step-1") and not engine.paused
+    running.wait_for("engine.probe_unavailable", reason=SCAN_FAILED)
+    rejected = running.wait_for("checkpoint.rejected", name="step-2", timeout=20)
+    assert rejected["check"] == "finite", "the host scanned it (the gate, or before the pause)"
+    assert len(running.events("reload.started", version="step-2")) == 1, "the second try sent nothing"
+    assert str(root / "step-2") not in asked_of, "no request reached the unscanned weights"

@@ -148,6 +148,12 @@ class FakeEngine:
                 self.probes.append({**body["kwargs"], "paused": self.paused, "loaded": self.loaded})
                 scan = bool(body["kwargs"].get("scan"))
                 return httpx.Response(200, json={"results": self._probe_answers(scan)})
+            if body["method"] == "reloader_probe_adapter" and self.extension:
+                adapter = body["kwargs"]["path"]
+                self.probes.append({**body["kwargs"], "paused": self.paused, "adapter": adapter})
+                finite = adapter not in self.garbage and adapter not in self.probe_broken
+                answer = {"available": True, "logits": True, "finite": finite, "flat": False, "max_abs": 9.5}
+                return httpx.Response(200, json={"results": [answer] * self.ranks})
             if body["method"] == EXTENSION_METHOD:
                 if not self.extension:  # what vLLM answers for a method no worker has
                     return httpx.Response(500, json={"error": {"message": "no attribute"}})

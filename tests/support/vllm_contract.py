@@ -29,7 +29,7 @@ from vllm_reloader.engine import capabilities, client
 INDEX = "https://pypi.org/simple/vllm/"
 CACHE = Path.home() / ".cache" / "vllm-reloader" / "contract"
 PREFIXES = ("vllm/entrypoints/", "vllm/v1/worker/", "vllm/config/", "vllm/engine/", "vllm/v1/metrics/")
-EXACT = ("vllm/envs.py", "vllm/v1/engine/__init__.py")
+EXACT = ("vllm/envs.py", "vllm/v1/engine/__init__.py", "vllm/lora/request.py")
 WANTED = under(PREFIXES, EXACT)
 SELECTION = hashlib.sha256(repr((PREFIXES, EXACT)).encode()).hexdigest()[:12]
 """The cache is keyed by what is read: another choice of files is read again."""
@@ -42,6 +42,15 @@ RUNNER = "vllm/v1/worker/gpu_model_runner.py"
 """`GPUModelRunner`: its `_dummy_run` is the probe's forward pass (CPU's runner inherits it)."""
 PROBE_KEYWORDS = ("is_profile", "remove_lora", "skip_eplb")
 """What `extension/probe.py` passes `_dummy_run` besides the token count, where it has them."""
+LORA_MIXIN = "vllm/v1/worker/lora_model_runner_mixin.py"
+LORA_METHODS = {
+    "_set_active_loras": ("prompt_lora_mapping", "token_lora_mapping", "lora_requests"),
+    "maybe_dummy_run_with_lora": ("lora_config", "num_scheduled_tokens", "num_sampled_tokens"),
+    "add_lora": ("lora_request",),
+    "remove_lora": ("lora_id",),
+}
+"""What the probe calls, or replaces, on a LoRA-enabled runner, with its leading parameters."""
+LORA_REQUEST = ("vllm/lora/request.py", "LoRARequest", ("lora_name", "lora_int_id", "lora_path"))
 CONFIG_FIELDS = {
     "ModelConfig": ("model", "model_weights", "revision", "enable_sleep_mode"),
     "ParallelConfig": ("worker_extension_cls",),
@@ -377,7 +386,33 @@ def _probe(release: str, trees: Trees) -> list[str]:
     if [a.arg for a in runner.args.args[:2]] != ["self", "num_tokens"]:
         return [f"vLLM {release}: GPUModelRunner._dummy_run takes no leading num_tokens {where}"]
     names = {a.arg for a in runner.args.args + runner.args.kwonlyargs}
-    return [f"vLLM {release}: _dummy_run takes no {k!r} {where}" for k in PROBE_KEYWORDS if k not in names]
+    problems = [
+        f"vLLM {release}: _dummy_run takes no {k!r} {where}" for k in PROBE_KEYWORDS if k not in names
+    ]
+    return problems + _lora_probe(release, trees)
+
+
+def _lora_probe(release: str, trees: Trees) -> list[str]:
+    """With LoRA on, the probe maps the pass's tokens itself (`_set_active_loras`) in place of
+    `maybe_dummy_run_with_lora`, and an adapter probe loads a `LoRARequest` of its own."""
+    where = "(extension/probe.py)"
+    problems = []
+    for method, leading in LORA_METHODS.items():
+        found = _function(trees.get(LORA_MIXIN), "LoRAModelRunnerMixin", method)
+        args = [a.arg for a in found.args.args[1 : 1 + len(leading)]] if found else None
+        if args != list(leading):
+            problems.append(f"vLLM {release}: LoRAModelRunnerMixin.{method} takes no leading {leading}")
+    file, cls, fields = LORA_REQUEST
+    tree = trees.get(file)
+    have = {
+        n.target.id
+        for node in (_defs(tree) if tree is not None else ())
+        if isinstance(node, ast.ClassDef) and node.name == cls
+        for n in node.body
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    }
+    problems += [f"vLLM {release}: {cls} has no field {f!r} ({file})" for f in fields if f not in have]
+    return [f"{problem} {where}" for problem in problems]
 
 
 def _accepts(function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:

@@ -16,6 +16,7 @@ between two scheduler steps, so its tokens after that step come from the new ver
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from ..checkpoint.files import changed
 from ..config import CanaryConfig
 from ..errors import EngineCallFailed, EngineError
 from . import canary
+from . import probe as probing
 from .client import EngineClient
 
 FLUSH_PROBES = 5
@@ -49,6 +51,12 @@ class Swapped:
     flush_probes: int = 0
     uncertain: bool = False
     """The engine stopped answering midway: what it holds for this adapter is asked again."""
+    probed: bool = False
+    """The probe found it broken before the load: nothing was loaded, the engine holds what it did."""
+    probe_unavailable: str | None = None
+    """Why no probe judged it (the canary alone did)."""
+    probe_ms: float | None = None
+    """How long its probe took (None: none ran)."""
 
 
 def swap(
@@ -57,13 +65,28 @@ def swap(
     fallback: AdapterVersion | None,
     others: tuple[str, ...],
     config: CanaryConfig,
+    probe: Callable[[EngineClient, str], probing.Finding] | None = None,
 ) -> Swapped:
-    """Load `target` and canary it. Nothing raises: a refusal, a failed canary, an engine that
-    stopped answering are each data. A failed canary is blamed on the version only if, once
-    it is gone, the engine answers clean again (base model, other adapters, the version gone
-    back to): what fails without it too is not its fault."""
+    """Probe `target` (where the engine runs the worker extension), load it and canary it.
+    Nothing raises: a refusal, a failed probe or canary, an engine that stopped answering are
+    each data. A failed canary is blamed on the version only if, once it is gone, the engine
+    answers clean again (base model, other adapters, the version gone back to): what fails
+    without it too is not its fault. A failed probe is: nothing else was touched."""
     started = time.perf_counter()
     if problem := _changed(target):
+        return Swapped(target, changed=problem)
+    unavailable = probe_ms = None
+    if probe is not None:
+        probing_started = time.perf_counter()
+        try:
+            judged = probe(client, target.path)
+        except EngineError as exc:  # no answer: nothing loaded, nothing blamed, tried again later
+            return Swapped(target, time.perf_counter() - started, error=f"probe: no answer: {exc}")
+        if judged.broken is not None:
+            seconds = time.perf_counter() - started
+            return Swapped(target, seconds, canary_failed=f"probe: {judged.broken}", blamed=True, probed=True)
+        unavailable, probe_ms = judged.unavailable, round((time.perf_counter() - probing_started) * 1000, 3)
+    if problem := _changed(target):  # again: vLLM's loader reads it by path, as the probe's did
         return Swapped(target, changed=problem)
     loading = time.perf_counter()
     try:
@@ -74,8 +97,15 @@ def swap(
     load_ms = round((time.perf_counter() - loading) * 1000, 3)
     found = examine_all(client, config, (target.adapter, None, *others)) if config.enabled else None
     if found is None:
-        return Swapped(target, time.perf_counter() - started, load_ms)
-    failed = Swapped(target, load_ms=load_ms, canary_failed=found.reason, blamed=found.answered)
+        seconds = time.perf_counter() - started
+        return Swapped(target, seconds, load_ms, probe_unavailable=unavailable, probe_ms=probe_ms)
+    failed = Swapped(
+        target,
+        load_ms=load_ms,
+        canary_failed=found.reason,
+        blamed=found.answered,
+        probe_unavailable=unavailable,
+    )
     try:
         rolled_back = fallback is not None and _changed(fallback) is None
         if fallback is not None and rolled_back:

@@ -72,20 +72,23 @@ def _scanned(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
     found: dict[str, Any] = {}
     if isinstance(device := reports[0].get("device") if reports else None, str):
         found["device"] = device
+    if reports and isinstance(quantized := reports[0].get("quantized"), bool):
+        found["quantized"] = quantized
     scanned = [r.get("scanned_bytes") for r in reports]
     if scanned and all(isinstance(n, int) for n in scanned):
         found["scanned_bytes"] = sum(n for n in scanned if isinstance(n, int))
     return found
 
 
-def engine_scans(mode: str, *, able: bool, device: str | None) -> bool:
+def engine_scans(mode: str, *, able: bool, device: str | None, quantized: bool = False) -> bool:
     """Whether an engine checks its loaded parameters for NaN/Inf inside the pause (`[gate]
     scan`): only one `able` to (its extension's probe on); with `auto`, once a probe showed
     the weights on an accelerator (on a CPU engine clients would wait through a pass the
-    host overlaps with the writer)."""
+    host overlaps with the writer), unquantized (quantized ones are no longer the
+    checkpoint's values)."""
     if not able or mode == "host":
         return False
-    return mode in ("engine", "both") or device not in (None, "cpu")
+    return mode in ("engine", "both") or (device not in (None, "cpu") and not quantized)
 
 
 def host_scans(mode: str, engines_scan: Sequence[bool]) -> bool:
@@ -94,6 +97,7 @@ def host_scans(mode: str, engines_scan: Sequence[bool]) -> bool:
 
 
 PROBE_METHOD = "reloader_probe"
+ADAPTER_METHOD = "reloader_probe_adapter"
 OLD_EXTENSION = "the engine's worker extension predates the probe: restart the engine to load the new one"
 
 
@@ -102,11 +106,21 @@ def run(client: EngineClient, probe: Probe, timeout: float) -> Finding:
     (`EngineError`: the caller loads the last good weights back, blaming nothing), except a
     worker without the method: an extension older than the daemon (`OLD_EXTENSION`)."""
     kwargs = {"tokens": list(probe.tokens) if probe.tokens else None, "scan": probe.scan}
+    return _ask(client, PROBE_METHOD, kwargs, timeout)
+
+
+def run_adapter(client: EngineClient, path: str, tokens: tuple[int, ...] | None, timeout: float) -> Finding:
+    """The same pass with the adapter copy at `path` active, before clients can name it (vLLM
+    loads it under an id of the probe's, and drops it after); raises as `run` does."""
+    return _ask(client, ADAPTER_METHOD, {"path": path, "tokens": list(tokens) if tokens else None}, timeout)
+
+
+def _ask(client: EngineClient, method: str, kwargs: dict[str, Any], timeout: float) -> Finding:
     try:
-        results = client.collective_rpc(PROBE_METHOD, kwargs, timeout=timeout)
+        results = client.collective_rpc(method, kwargs, timeout=timeout)
     except EngineCallFailed as exc:  # AttributeError (mp executor), NotImplementedError (uni, ray)
         said = (exc.detail or str(exc)).lower()
-        if PROBE_METHOD in said and ("attribute" in said or "not implemented" in said):
+        if method in said and ("attribute" in said or "not implemented" in said):
             return Finding(unavailable=OLD_EXTENSION)
         raise
     return judge(results)

@@ -18,9 +18,10 @@ from __future__ import annotations
 import inspect
 import math
 import re
+import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -34,6 +35,9 @@ SCAN_CHUNK = 1 << 24
 """Elements checked at once: a bounded temporary, whatever the size of a parameter."""
 RANDOM_TOKENS = 16
 """Tokens probed when the daemon sends none (a fixed seed: the same tokens every time)."""
+PROBE_LORA_ID = 2**31 - 7
+"""The adapter probe's own LoRA id: vLLM's API server numbers adapters from 1 upwards."""
+PROBE_LORA_NAME = "vllm-reloader-probe"
 
 
 def probe(worker: Any, tokens: list[int] | None, scan: bool) -> dict[str, Any]:
@@ -47,6 +51,8 @@ def probe(worker: Any, tokens: list[int] | None, scan: bool) -> dict[str, Any]:
     report: dict[str, Any] = {"rank": getattr(worker, "rank", None), "available": True}
     model = runner.get_model()
     report["device"] = next((p.device.type for p in model.parameters()), None)
+    # Quantized weights are no longer the checkpoint's values: a scan of them misses some NaN.
+    report["quantized"] = bool(getattr(getattr(runner, "model_config", None), "quantization", None))
     with torch.inference_mode():
         if scan:
             report["non_finite"], report["scanned_bytes"] = _scan(model)
@@ -76,8 +82,10 @@ def _unavailable(runner: Any) -> str | None:
         return (
             f"a hybrid model ({', '.join(sorted(stateful))}): its state layers leave their output undefined"
         )
-    if getattr(runner, "lora_config", None) is not None:
-        return "LoRA is enabled: vLLM's dummy run would drop the adapters the engine holds"
+    if getattr(runner, "lora_config", None) is not None and not callable(
+        getattr(runner, "_set_active_loras", None)
+    ):
+        return "LoRA is enabled and this vLLM's runner has no _set_active_loras to map the pass's tokens"
     model_config = getattr(runner, "model_config", None)
     if getattr(model_config, "enable_prompt_embeds", False) or getattr(runner, "supports_mm_inputs", False):
         return "the model takes embeddings or multimodal inputs: no token ids to probe with"
@@ -96,19 +104,91 @@ def _proven(runner: type) -> bool:
 
 
 def _scan(model: torch.nn.Module) -> tuple[str | None, int]:
+    """The first float parameter or buffer holding NaN or Inf, and the bytes read."""
     scanned = 0
-    for name, parameter in model.named_parameters():
-        if not parameter.dtype.is_floating_point:
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    for name, tensor in tensors:
+        if not tensor.dtype.is_floating_point:
             continue
-        flat = parameter.detach().reshape(-1)
-        for chunk in torch.split(flat, SCAN_CHUNK):
-            if not bool(torch.isfinite(chunk).all()):
+        for piece in _pieces(tensor.detach()):
+            if tensor.element_size() == 1:  # fp8: torch has no isfinite for float8_e4m3fn
+                piece = piece.float()
+            if not bool(torch.isfinite(piece).all()):
                 return name, scanned
-        scanned += flat.numel() * flat.element_size()
+        scanned += tensor.numel() * tensor.element_size()
     return None, scanned
 
 
-def _forward(runner: Any, model: Any, tokens: list[int] | None) -> dict[str, Any]:
+def _pieces(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """`SCAN_CHUNK` elements or so at a time, never a copy of the whole (a transposed weight,
+    as fp8 layers keep theirs, is cut along its first dimension instead of flattened)."""
+    if tensor.dim() == 0 or tensor.is_contiguous():
+        yield from torch.split(tensor.reshape(-1), SCAN_CHUNK)
+        return
+    rows = max(1, SCAN_CHUNK // max(1, tensor[0].numel()))
+    yield from torch.split(tensor, rows)
+
+
+def probe_adapter(worker: Any, path: str, tokens: list[int] | None) -> dict[str, Any]:
+    """The same forward pass with the adapter at `path` active, loaded by vLLM's own LoRA loader
+    under an id of the probe's (`PROBE_LORA_ID`) and removed after: it is judged before clients
+    can name it. `available` False where no adapter pass can run (then the canary judges it)."""
+    started = time.perf_counter()
+    runner = worker.model_runner
+    report: dict[str, Any] = {"rank": getattr(worker, "rank", None), "available": True}
+    why = _unavailable(runner)
+    # The running vLLM's own class (loaded with it: read, not imported).
+    request_class: Any = getattr(sys.modules.get("vllm.lora.request"), "LoRARequest", None)
+    if why is None and (getattr(runner, "lora_config", None) is None or request_class is None):
+        why = "LoRA is not enabled on this engine's runner"
+    if why is not None:
+        return report | {"available": False, "why": why, "ms": _ms(started)}
+    request = request_class(lora_name=PROBE_LORA_NAME, lora_int_id=PROBE_LORA_ID, lora_path=path)
+    with torch.inference_mode():
+        try:
+            runner.add_lora(request)
+        except Exception as exc:  # vLLM's loader refuses it: so will the load, which says why
+            why = f"vLLM did not load it: {exc}"[:300]
+            return report | {"available": False, "why": why, "ms": _ms(started)}
+        try:
+            report.update(_forward(runner, runner.get_model(), tokens, request))
+        except Exception as exc:
+            report.update(available=False, why=f"the forward pass raised {type(exc).__name__}: {exc}"[:300])
+        finally:
+            runner.remove_lora(PROBE_LORA_ID)
+    return report | {"ms": _ms(started)}
+
+
+def _ms(started: float) -> float:
+    return round((time.perf_counter() - started) * 1000, 3)
+
+
+@contextmanager
+def _lora_mapping(runner: Any, request: Any) -> Iterator[None]:
+    """With LoRA enabled, vLLM's dummy pass registers warm-up adapters under ids 1.. (those of
+    the adapters clients use) and removes every adapter after: instead, map the pass's tokens
+    to `request` (None: to no adapter) and leave the adapters alone (an instance attribute over
+    the runner's method, removed after; the next step maps its own batch)."""
+    if getattr(runner, "lora_config", None) is None:
+        yield
+        return
+
+    def mapped(_config: Any, scheduled: Any, sampled: Any = None, *_: Any, **__: Any) -> Any:
+        lora_id = request.lora_int_id if request is not None else 0
+        tokens, samples = int(scheduled.sum()), int(sampled.sum()) if sampled is not None else len(scheduled)
+        runner._set_active_loras(
+            (lora_id,) * samples, (lora_id,) * tokens, {request} if request is not None else set()
+        )
+        return nullcontext()
+
+    runner.maybe_dummy_run_with_lora = mapped
+    try:
+        yield
+    finally:
+        vars(runner).pop("maybe_dummy_run_with_lora", None)
+
+
+def _forward(runner: Any, model: Any, tokens: list[int] | None, lora: Any = None) -> dict[str, Any]:
     vocab = int(runner.model_config.get_vocab_size())
     ids = [t for t in tokens or () if 0 <= t < vocab][: _room(runner)]
     if not ids:
@@ -121,7 +201,7 @@ def _forward(runner: Any, model: Any, tokens: list[int] | None) -> dict[str, Any
     # Eager, every token real (not padding: MoE routers skip padding), no EPLB step.
     wanted = {"is_profile": True, "skip_eplb": True, "remove_lora": True}
     kwargs = {k: v for k, v in wanted.items() if k in known}
-    with _quiet_attention(model) as quieted:
+    with _quiet_attention(model) as quieted, _lora_mapping(runner, lora):
         if not quieted:
             return {"available": False, "why": "no attention layer found whose output the pass can set"}
         out = runner._dummy_run(len(ids), **kwargs)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .. import failpoints
-from .probe import probe
+from .probe import probe, probe_adapter
 from .readers import DTYPES, BufferPool, Checkpoint, LoadStats, layer_order, plan, read_weights, runs
 
 
@@ -124,6 +124,11 @@ class ReloadExtension:
         """A forward pass on this rank's weights, still paused (see `probe`)."""
         failpoints.hit("probe", rank=getattr(self, "rank", None))
         return probe(self, tokens, scan)
+
+    def reloader_probe_adapter(self, path: str, tokens: list[int] | None = None) -> dict[str, Any]:
+        """The forward pass with the adapter at `path` active, before clients can name it."""
+        failpoints.hit("probe", rank=getattr(self, "rank", None))
+        return probe_adapter(self, path, tokens)
 
 
 def _pool(worker: Any) -> BufferPool:

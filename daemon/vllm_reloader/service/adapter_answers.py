@@ -45,6 +45,8 @@ class AdapterAnswers:
         fields = {"adapter": target.adapter, "version": target.version, "fingerprint": target.fingerprint}
         if result.uncertain or held is None:
             facts.held[engine.url] = held = None  # asked again before anything else is done there
+        if result.probe_unavailable is not None:
+            engine.no_probe(result.probe_unavailable)
         if result.changed is not None:
             engine.log.error("adapter.changed", **fields, reason=result.changed)
             self.forgotten.put((target.adapter, target.version))
@@ -67,7 +69,9 @@ class AdapterAnswers:
             state.last_reload = {"version": target.version, "engine": engine.url, "at": time.time()}
             self._count(target.adapter, "success", engine.url)
             took = round(result.seconds * 1000, 1)
-            engine.log.info("adapter.loaded", **fields, load_ms=result.load_ms, duration_ms=took)
+            engine.log.info(
+                "adapter.loaded", **fields, load_ms=result.load_ms, probe_ms=result.probe_ms, duration_ms=took
+            )
         facts.tidy()
 
     def _failed(
@@ -81,7 +85,7 @@ class AdapterAnswers:
         facts, target = self.facts, result.target
         self._count(target.adapter, "canary_failed", engine.url)
         back = facts.versions.get(held.get(target.adapter, "")) if held else None
-        if held is not None:
+        if held is not None and not result.probed:  # probed: nothing was loaded, it holds what it did
             if result.rolled_back and back is not None:
                 held[target.adapter] = back.path
             else:
@@ -98,9 +102,9 @@ class AdapterAnswers:
         else:  # a follower's failure, or no answer: tried again later, blaming nothing
             facts.backoff.failed((engine.url, target.fingerprint))
         engine.log.error(
-            "adapter.rolled_back", **fields, cause="canary",
+            "adapter.rolled_back", **fields, cause="probe" if result.probed else "canary",
             reason=result.canary_failed, blamed=result.blamed,
-            to_version=back.version if result.rolled_back and back else None,
+            to_version=back.version if (result.rolled_back or result.probed) and back else None,
             unloaded=result.unloaded, flush_probes=result.flush_probes, error=result.error,
         )  # fmt: skip
 

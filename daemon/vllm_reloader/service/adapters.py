@@ -28,6 +28,7 @@ from typing import Any
 from ..checkpoint.adapter import AdapterVersion, Served
 from ..config import Config
 from ..engine import adapters as swapping
+from ..engine import probe
 from ..engine.client import EngineClient
 from ..records import RecordStore
 from ..sources.adapter_fleet import AdapterFleet, AdapterRecalled
@@ -233,14 +234,25 @@ class Adapters:
             )  # fmt: skip
             others = tuple(sorted(n for n in held if n != name))
             call = partial(
-                swapping.swap, target=want, fallback=fallback, others=others, config=self.config.canary
-            )
+                swapping.swap, target=want, fallback=fallback, others=others, config=self.config.canary,
+                probe=self._prober() if engine.probes(self.config) else None,
+            )  # fmt: skip
             stopped = partial(swapping.Swapped, want, error="the daemon is stopping: not loaded")
             return Work(
                 "adapter swap", Ask(engine.client, call), partial(self.answers.swapped, engine, canary),
                 drains=slot.drains, holds=(want.path, fallback.path if fallback else None), stopped=stopped,
             )  # fmt: skip
         return None
+
+    def _prober(self) -> Callable[[EngineClient, str], probe.Finding]:
+        """The forward pass with the new version active, before it is loaded for clients."""
+        config = self.config.canary
+
+        def run(client: EngineClient, path: str) -> probe.Finding:
+            tokens = probe.tokens_of(client, config.prompts)
+            return probe.run_adapter(client, path, tokens, config.probe_timeout)
+
+        return run
 
     def _unload(self, engine: Engine, held: dict[str, str], base: str | None, canary: bool) -> Work | None:
         facts = self.facts

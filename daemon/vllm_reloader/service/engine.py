@@ -32,6 +32,11 @@ RESUME_FAILED = "its resume failed: retrying"
 CHANGED_UNDER_US = "its weights changed under us: reconciling"
 
 
+SCAN_FAILED = (
+    "its scan inside the pause failed or gave no answer: the host scans its weights until it restarts"
+)
+
+
 @dataclass(eq=False)
 class Engine:
     url: str
@@ -61,6 +66,10 @@ class Engine:
     judges them)."""
     device: str | None = None
     """Where its weights are (`cuda`, `cpu`, ...), as its last probe said (None: none did)."""
+    quantized: bool = False
+    """Its last probe said the weights are quantized (a scan of them is not the checkpoint's)."""
+    scan_failed: bool = False
+    """A scan inside the pause failed or gave no answer: the host scans for it until it restarts."""
 
     @classmethod
     def make(
@@ -111,15 +120,29 @@ class Engine:
         """When a failed reload here may be tried again (0: now)."""
         return self.follow.until(self.url) or 0.0
 
-    def can_scan(self, config: Config) -> bool:
-        """Its probe can check every loaded parameter for NaN/Inf (inside the pause)."""
+    def probes(self, config: Config) -> bool:
+        """New weights (and adapters) are probed here before any client request reaches them."""
         extension = self.served.extension and self.probe_unavailable != probe.OLD_EXTENSION
         return config.canary.probe and extension
+
+    def can_scan(self, config: Config) -> bool:
+        """Its probe can check every loaded parameter for NaN/Inf (inside the pause)."""
+        return self.probes(config) and not self.scan_failed
 
     def scans(self, config: Config) -> bool:
         """Its probe checks every loaded parameter for NaN/Inf, as `[gate] scan` asks."""
         able = config.gate.check_finite and self.can_scan(config)
-        return probe.engine_scans(config.gate.scan, able=able, device=self.device)
+        return probe.engine_scans(config.gate.scan, able=able, device=self.device, quantized=self.quantized)
+
+    def probed(self, timings: Mapping[str, Any], *, scan_failed: bool) -> None:
+        """What a reload's probe said of the engine (or that its scan failed)."""
+        if why := timings.get("probe_unavailable"):
+            self.no_probe(str(why))
+        if isinstance(device := timings.get("probe_device"), str):
+            self.device, self.quantized = device, bool(timings.get("probe_quantized"))
+        if scan_failed and not self.scan_failed:
+            self.scan_failed = True
+            self.log.warning("engine.probe_unavailable", reason=SCAN_FAILED)
 
     def no_probe(self, why: str) -> None:
         """New weights are judged by the canary alone, on live traffic: said once per cause."""
@@ -199,7 +222,8 @@ class Engine:
         served.baseline = setup.settle_baseline(config, server, served, serving.path, self.log)
         served.reconciled = True
         if version == STARTUP_VERSION:  # restarted: nothing of before is loaded, nor unclean
-            self.unclean = None
+            self.unclean = None  # and what its probes said may not hold (another extension, device)
+            self.device, self.quantized, self.scan_failed, self.probe_unavailable = None, False, False, None
         return version, serving
 
     def settle(self, version: str, serving: Loaded, *, paused: bool) -> None:

@@ -223,6 +223,8 @@ def _host_scan(job: Job, options: gate.GateOptions) -> Outcome | None:
     started = time.perf_counter()
     verdict = gate.check(Path(job.target.path), serving=None, options=options)
     seconds = time.perf_counter() - started
+    if problem := job.target.changed():  # a NaN in bytes that are not the verified ones blames nothing
+        return Outcome(job, seconds, changed=problem)
     if verdict.status == "rejected" and verdict.details.get("check") == "finite":
         return Outcome(job, seconds, non_finite=f"host scan (the engine cannot scan): {verdict.reason}")
     verified = job.target.files
@@ -237,7 +239,16 @@ def _prober(job: Job) -> Callable[[EngineClient], probe.Finding] | None:
     if not (job.extension and config.probe):
         return None
     asked = probe.Probe(tokens=probe.tokens_of(job.client, config.prompts), scan=job.scan)
-    return lambda client: probe.run(client, asked, config.probe_timeout)
+
+    def run(client: EngineClient) -> probe.Finding:
+        found = probe.run(client, asked, config.probe_timeout)
+        if asked.scan and found.broken is None and "scanned_bytes" not in found.summary:
+            # Nobody else scanned these bytes: no answer, not a pass (loaded back, unjudged).
+            why = f"the scan inside the pause did not run: {found.unavailable or 'not every rank scanned'}"
+            raise EngineCallFailed(why, endpoint="/collective_rpc")
+        return found
+
+    return run
 
 
 def _answer(ask: Ask) -> Answered:

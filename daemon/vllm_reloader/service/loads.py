@@ -21,6 +21,7 @@ from ..checkpoint import gate, order
 from ..config import Config
 from ..engine.client import RELOADING_PREFIX
 from ..engine.swap import Target
+from ..errors import ReloadFailed
 from ..sources.verdicts import Verdict
 from . import fleet, outcomes, rollback, rollout, setup
 from .book import Book
@@ -135,14 +136,15 @@ class Loads:
             strategy=strategy, loader="extension" if served.extension else "builtin",
         )  # fmt: skip
         target = Target(loading.version, loading.path, loading.files)
-        owed = not scanned and config.gate.check_finite
+        owed, both = not scanned and config.gate.check_finite, config.gate.scan == "both"
         host_scan = None
         if owed and not engine.can_scan(config):
             host_scan = replace(gate.GateOptions.from_config(config), verify_digests=False)
         job = Job(
             client=engine.client, candidate=candidate, target=target, rollback=fallback, loading=loading,
             size=size, canary=config.canary, strategy=strategy, extension=served.extension,
-            scan=engine.scans(config) or (owed and host_scan is None), host_scan=host_scan,
+            scan=(owed and host_scan is None) or (engine.scans(config) and (not scanned or both)),
+            host_scan=host_scan,
         )  # fmt: skip
         return Work(
             "restore" if restore else "reload", job, lambda outcome: self.finished(engine, outcome),
@@ -185,11 +187,9 @@ class Loads:
     def finished(self, engine: Engine, outcome: Outcome) -> None:
         """A reload came back from the engine's thread: apply it, then say it (once recorded)."""
         decision = self.recalls.finished(engine.url, outcome.job, outcomes.decide(outcome, now=time.time()))
-        timings = outcome.timings or {}
-        if why := timings.get("probe_unavailable"):
-            engine.no_probe(str(why))
-        if isinstance(device := timings.get("probe_device"), str):
-            engine.device = device
+        error = outcome.error
+        scan_failed = outcome.job.scan and isinstance(error, ReloadFailed) and error.unjudged
+        engine.probed(outcome.timings or {}, scan_failed=scan_failed)
         follower = engine is not self.canary
         if follower or decision.refused:  # refused for memory: no verdict, the same one again later
             decision = engine.as_follower(decision)

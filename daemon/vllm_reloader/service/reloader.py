@@ -165,7 +165,8 @@ class Reloader:
         ready = self.loads.ready
         if best is not None and (ready is None or best.key > ready.candidate.key):
             options = gate.GateOptions.from_config(self.config)
-            scans = probe.host_scans(self.config.gate.scan, [e.scans(self.config) for e in self.engines])
+            # Other engines load only what the canary engine served: scanned there, or here.
+            scans = probe.host_scans(self.config.gate.scan, [canary.scans(self.config)])
             options = replace(options, check_finite=options.check_finite and scans)
             self.gating = self.gater.submit(best, self.root / best.name, served.baseline, options)
 
