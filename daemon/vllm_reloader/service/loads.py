@@ -19,6 +19,7 @@ from typing import Any
 from .. import failpoints
 from ..checkpoint import gate, order
 from ..config import Config
+from ..engine import probe
 from ..engine.client import RELOADING_PREFIX
 from ..engine.swap import Target
 from ..errors import ReloadFailed
@@ -253,8 +254,16 @@ class Loads:
 
     # -- rollback targets ---------------------------------------------------------------------
 
+    def gate_options(self) -> gate.GateOptions:
+        """How the gate (and a rollback target's re-read) checks bytes: the NaN/Inf scan left
+        out where the canary engine scans what it loads (the other engines load only what it
+        served)."""
+        options, config = gate.GateOptions.from_config(self.config), self.config
+        scans = probe.host_scans(config.gate.scan, [self.canary.scans(config)])
+        return replace(options, check_finite=options.check_finite and scans)
+
     def rollback_target(self, engine: Engine, skip: str | None = None) -> Loaded | None:
-        options = gate.GateOptions.from_config(self.config)
+        options = self.gate_options()
         return self.targets.of(engine, self.config.checkpoint_root, self.catalog.candidates, options, skip)
 
     def reverified(self, result: Reverified) -> None:

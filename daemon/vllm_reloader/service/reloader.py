@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from pathlib import Path
 
 from .. import log
 from ..checkpoint import gate, order
 from ..config import Config
-from ..engine import probe
 from ..engine.client import EngineClient
 from ..records import RecordStore
 from ..sources.verdicts import Verdict
@@ -164,10 +162,7 @@ class Reloader:
             return
         ready = self.loads.ready
         if best is not None and (ready is None or best.key > ready.candidate.key):
-            options = gate.GateOptions.from_config(self.config)
-            # Other engines load only what the canary engine served: scanned there, or here.
-            scans = probe.host_scans(self.config.gate.scan, [canary.scans(self.config)])
-            options = replace(options, check_finite=options.check_finite and scans)
+            options = self.loads.gate_options()
             self.gating = self.gater.submit(best, self.root / best.name, served.baseline, options)
 
     def snapshot(self, newer: bool = False) -> Snapshot:
