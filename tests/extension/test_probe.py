@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from vllm_reloader.extension.probe import PROBE_LORA_ID, probe, probe_adapter
+from vllm_reloader.extension.probe import PROBE_LORA_ID, _self_only, probe, probe_adapter
 
 VOCAB, HIDDEN = 32, 8
 
@@ -259,3 +259,19 @@ def test_adapter_probe_says_why_it_cannot_run(lora_module):
     refused = probe_adapter(SimpleNamespace(model_runner=runner), "/adapters/missing", [1])
     assert refused["available"] is False and "vLLM did not load it" in refused["why"]
     assert runner.adapters == {1: 0.0}
+
+
+def test_attention_in_the_pass_is_each_tokens_own_value_with_its_score_folded_in():
+    """Grouped-query heads as vLLM's backends get them ([tokens, heads, head size]): each
+    query head answers its group's value; an overflowing key reaches the output as NaN."""
+    layer = SimpleNamespace(num_heads=4, num_kv_heads=2)
+    q, k, v = torch.randn(3, 4, 2), torch.randn(3, 2, 2), torch.randn(3, 2, 2)
+    out = torch.full((3, 4, 2), float("nan"))
+    _self_only(layer, q, k, v, None, None, output=out)
+    assert torch.equal(out, v.repeat_interleave(2, dim=1))
+    k[1, 0, 0] = float("inf")
+    _self_only(layer, q, k, v, None, None, output=out)
+    assert torch.isfinite(out[0]).all() and not torch.isfinite(out[1, :2]).all()
+    mla = torch.randn(3, 5), torch.randn(3, 1, 7)
+    latent = _self_only(layer, q, *mla, None, None, output=torch.ones(3, 4, 2))
+    assert not latent.any(), "inputs it cannot read (MLA's): zeros, as before"

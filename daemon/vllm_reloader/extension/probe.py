@@ -8,9 +8,10 @@ them (the last pipeline stage), and, with `scan`, every parameter for NaN or Inf
 that holds it (a GPU reads its memory far faster than the host reads the files).
 
 With no metadata an attention backend computes nothing: some leave its output as allocated
-(CPU's: whatever the memory held, NaN at times), so each attention layer's output is zeros
-for the pass (`_quiet_attention`); embeddings, norms, MLPs and the output layer are what it
-judges, and `scan` reads the rest.
+(CPU's: whatever the memory held, NaN at times), so each attention layer answers as if each
+token attended to itself alone (`_quiet_attention`): its value, with its query-key score
+folded in so a NaN or Inf there shows. The q/k/v and output projections (and LoRA adapters on
+them), embeddings, norms, MLPs and the output layer are what it judges; `scan` reads the rest.
 """
 
 from __future__ import annotations
@@ -229,24 +230,58 @@ def _forward(runner: Any, model: Any, tokens: list[int] | None, lora: Any = None
 
 @contextmanager
 def _quiet_attention(model: torch.nn.Module) -> Iterator[int]:
-    """Every attention layer's backend answers zeros, computing and touching nothing, while in
-    it (an instance attribute over the class's `forward`, removed after); yields how many."""
+    """Every attention layer's backend answers `_self_only`, touching no KV cache, while in it
+    (an instance attribute over the class's `forward`, removed after); yields how many."""
     layers = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
     impls: list[Any] = [getattr(m, "impl", None) for m in layers]
     impls = [i for i in impls if callable(getattr(i, "forward", None)) and "forward" not in vars(i)]
     try:
         for impl in impls:
-            impl.forward = _zeros
+            impl.forward = _self_only
         yield len(impls)
     finally:
         for impl in impls:
             vars(impl).pop("forward", None)
 
 
-def _zeros(_layer: Any, query: torch.Tensor, *_: Any, output: torch.Tensor | None = None, **__: Any) -> Any:
+def _self_only(
+    layer: Any,
+    query: torch.Tensor,
+    key: Any = None,
+    value: Any = None,
+    *_: Any,
+    output: Any = None,
+    **__: Any,
+) -> Any:
+    """Attention where each token sees only itself (a softmax over one score is 1): the output
+    is the token's value, repeated for each query head of its group, times (1 + 0 * its score
+    q·k), so weights that overflow q, k or v reach the logits as NaN or Inf. Shapes it cannot
+    read (MLA's latent inputs) answer zeros."""
+    try:
+        found = _own_values(layer, query, key, value)
+    except (RuntimeError, ValueError, TypeError, AttributeError):
+        found = None
+    if found is None:
+        return output.zero_() if output is not None else torch.zeros_like(query)
     if output is not None:
-        return output.zero_()
-    return torch.zeros_like(query)
+        return output.copy_(found.reshape(output.shape))
+    return found.reshape(query.shape)
+
+
+def _own_values(layer: Any, query: torch.Tensor, key: Any, value: Any) -> torch.Tensor | None:
+    if not (isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)) or value.shape != key.shape:
+        return None
+    tokens = query.shape[0]
+    heads = query.shape[1] if query.dim() == 3 else int(layer.num_heads)
+    kv_heads = key.shape[1] if key.dim() == 3 else int(getattr(layer, "num_kv_heads", heads))
+    q, k, v = (
+        t.reshape(tokens, n, -1).float() for t, n in ((query, heads), (key, kv_heads), (value, kv_heads))
+    )
+    if q.shape[-1] != k.shape[-1] or heads % kv_heads:
+        return None
+    k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    score = (q * k).sum(dim=-1, keepdim=True)
+    return (v * (1 + 0 * score)).to(query.dtype)
 
 
 def _room(runner: Any) -> int:
