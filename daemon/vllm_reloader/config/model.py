@@ -212,7 +212,8 @@ class CanaryConfig(Section):
     probe: bool = True
     """First, inside the pause: a forward pass on every rank on the prompts' tokens (engines
     with the worker extension). Logits that are not finite, or flat, are a failed load: the last
-    good weights are loaded back before the resume, so no client ever reaches them."""
+    good weights are loaded back before the resume, so no client ever reaches them. A new
+    adapter version is probed with it active before it is loaded for clients."""
     probe_timeout: float = Field(60.0, gt=0)
     """For the probe's answer from every rank (the engine is paused meanwhile)."""
 
