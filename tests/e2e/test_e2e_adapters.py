@@ -40,7 +40,7 @@ def lora(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Pat
     base = write_checkpoint(scratch / "base", seed=1)
     engine = start_engine(
         base, scratch / "engine.log", api_key=None, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
-        args=("--enable-lora", "--max-lora-rank", str(MAX_RANK), "--max-loras", "2"),
+        args=("--enable-lora", "--max-lora-rank", str(MAX_RANK), "--max-loras", "2", "--max-cpu-loras", "3"),
     )  # fmt: skip
     weights = {name: shape for name, (_, shape) in layout.read_header(base / "model.safetensors").items()}
     try:

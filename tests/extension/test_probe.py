@@ -195,13 +195,18 @@ class LoraRunner(GPUModelRunner):
 
     def __init__(self) -> None:
         super().__init__()
-        self.lora_config = object()
+        self.lora_config = SimpleNamespace(max_loras=2, max_cpu_loras=3)
         self.adapters: dict[int, float] = {1: 0.0}  # a client's adapter, id 1
         self.active: tuple[int, ...] = ()
 
     def add_lora(self, request: LoRARequest) -> bool:
+        if request.lora_int_id in self.adapters:  # vLLM's LRU cache: a known id is not read again
+            return True
         self.adapters[request.lora_int_id] = ADAPTERS[request.lora_path]
         return True
+
+    def list_loras(self) -> set[int]:
+        return set(self.adapters)
 
     def remove_lora(self, lora_id: int) -> bool:
         return self.adapters.pop(lora_id, None) is not None
@@ -275,3 +280,47 @@ def test_attention_in_the_pass_is_each_tokens_own_value_with_its_score_folded_in
     mla = torch.randn(3, 5), torch.randn(3, 1, 7)
     latent = _self_only(layer, q, *mla, None, None, output=torch.ones(3, 4, 2))
     assert not latent.any(), "inputs it cannot read (MLA's): zeros, as before"
+
+
+def test_adapter_probe_never_judges_a_copy_a_probe_left_behind(lora_module):
+    runner = LoraRunner()
+    runner.adapters[PROBE_LORA_ID] = 0.0  # a probe that died half-way left a good version loaded
+    report = probe_adapter(SimpleNamespace(model_runner=runner), "/adapters/overflows", [1])
+    assert report["finite"] is False and runner.adapters == {1: 0.0}
+
+
+def test_adapter_probe_gives_way_when_vllms_adapter_cache_is_full(lora_module):
+    runner = LoraRunner()
+    runner.adapters = {1: 0.0, 2: 0.0, 3: 0.0}  # --max-cpu-loras 3, all held by clients
+    report = probe_adapter(SimpleNamespace(model_runner=runner), "/adapters/ok", [1])
+    assert report["available"] is False and "--max-cpu-loras" in report["why"]
+    assert runner.adapters == {1: 0.0, 2: 0.0, 3: 0.0} and runner.runs == []
+
+
+def test_adapter_probe_runs_no_pass_unless_every_tensor_parallel_rank_loaded_it(lora_module, monkeypatch):
+    """Another rank could not load it: a rank going on into the pass alone would wait for the
+    others' collectives forever."""
+    group = SimpleNamespace(world_size=2, cpu_group=object())
+    state = ModuleType("vllm.distributed.parallel_state")
+    state.get_tp_group = lambda: group  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", state)
+    said: list[int] = []
+
+    def all_reduce(flag: torch.Tensor, op: object, group: object) -> None:
+        said.append(int(flag.item()))
+        flag.fill_(0)  # the other rank's answer: it could not
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    runner = LoraRunner()
+    report = probe_adapter(SimpleNamespace(model_runner=runner), "/adapters/ok", [1])
+    assert said == [1] and report["available"] is False and "another rank" in report["why"]
+    assert runner.runs == [] and runner.adapters == {1: 0.0}
+
+
+def test_attention_in_the_pass_leaves_quantized_outputs_alone():
+    layer = SimpleNamespace(num_heads=2, num_kv_heads=2)
+    q = k = v = torch.randn(3, 2, 2)
+    scaled = _self_only(layer, q, k, v, None, None, output=torch.ones(3, 2, 2), output_scale=torch.ones(1))
+    assert not scaled.any(), "an output with scales (fused quantization): zeros, never unscaled values"
+    fp8 = torch.ones(3, 2, 2).to(torch.float8_e4m3fn)
+    assert not _self_only(layer, q.to(torch.float8_e4m3fn), k, v, output=fp8).float().any()

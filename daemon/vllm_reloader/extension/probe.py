@@ -137,27 +137,60 @@ def probe_adapter(worker: Any, path: str, tokens: list[int] | None) -> dict[str,
     started = time.perf_counter()
     runner = worker.model_runner
     report: dict[str, Any] = {"rank": getattr(worker, "rank", None), "available": True}
-    why = _unavailable(runner)
     # The running vLLM's own class (loaded with it: read, not imported).
     request_class: Any = getattr(sys.modules.get("vllm.lora.request"), "LoRARequest", None)
-    if why is None and (getattr(runner, "lora_config", None) is None or request_class is None):
-        why = "LoRA is not enabled on this engine's runner"
+    why = _unavailable(runner) or _no_adapter_pass(runner, request_class)
     if why is not None:
         return report | {"available": False, "why": why, "ms": _ms(started)}
     request = request_class(lora_name=PROBE_LORA_NAME, lora_int_id=PROBE_LORA_ID, lora_path=path)
     with torch.inference_mode():
         try:
-            runner.add_lora(request)
-        except Exception as exc:  # vLLM's loader refuses it: so will the load, which says why
-            why = f"vLLM did not load it: {exc}"[:300]
-            return report | {"available": False, "why": why, "ms": _ms(started)}
-        try:
+            loaded = _loaded(runner, request)
+            if not _everywhere(loaded is None):  # a rank that could not load it: none runs the pass
+                why = loaded or "another rank could not load it"
+                return report | {"available": False, "why": why, "ms": _ms(started)}
             report.update(_forward(runner, runner.get_model(), tokens, request))
         except Exception as exc:
             report.update(available=False, why=f"the forward pass raised {type(exc).__name__}: {exc}"[:300])
         finally:
-            runner.remove_lora(PROBE_LORA_ID)
+            runner.remove_lora(PROBE_LORA_ID)  # also after a load that failed half-way
     return report | {"ms": _ms(started)}
+
+
+def _no_adapter_pass(runner: Any, request_class: Any) -> str | None:
+    lora = getattr(runner, "lora_config", None)
+    if lora is None or request_class is None:
+        return "LoRA is not enabled on this engine's runner"
+    held = runner.list_loras()
+    cache = int(getattr(lora, "max_cpu_loras", None) or getattr(lora, "max_loras", 0) or 0)
+    if PROBE_LORA_ID not in held and len(held) >= cache:
+        return (
+            "vLLM's adapter cache is full: the probe's copy would evict a client's adapter "
+            "(start vLLM with --max-cpu-loras at least --max-loras + 1)"
+        )
+    return None
+
+
+def _loaded(runner: Any, request: Any) -> str | None:
+    """Loaded (None), or why vLLM refused it (then so would the load clients' requests need)."""
+    runner.remove_lora(PROBE_LORA_ID)  # a copy left by a probe that died half-way: never reused
+    try:
+        runner.add_lora(request)
+    except Exception as exc:
+        return f"vLLM did not load it: {exc}"[:300]
+    return None
+
+
+def _everywhere(ok: bool) -> bool:
+    """Whether every tensor-parallel rank says `ok` (one that goes on into the pass alone would
+    wait for the others' collectives forever); this rank's own where there is one rank."""
+    state = sys.modules.get("vllm.distributed.parallel_state")
+    group = state.get_tp_group() if state is not None and hasattr(state, "get_tp_group") else None
+    if group is None or getattr(group, "world_size", 1) <= 1:
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group.cpu_group)
+    return bool(flag.item())
 
 
 def _ms(started: float) -> float:
@@ -251,21 +284,26 @@ def _self_only(
     value: Any = None,
     *_: Any,
     output: Any = None,
-    **__: Any,
+    **kw: Any,
 ) -> Any:
     """Attention where each token sees only itself (a softmax over one score is 1): the output
     is the token's value, repeated for each query head of its group, times (1 + 0 * its score
-    q·k), so weights that overflow q, k or v reach the logits as NaN or Inf. Shapes it cannot
-    read (MLA's latent inputs) answer zeros."""
-    try:
-        found = _own_values(layer, query, key, value)
-    except (RuntimeError, ValueError, TypeError, AttributeError):
-        found = None
+    q·k), so weights that overflow q, k or v reach the logits as NaN or Inf. What it cannot
+    read (MLA's latent inputs, a quantized query or output, an output with scales) answers
+    zeros."""
+    found = None
+    floats = (torch.float16, torch.bfloat16, torch.float32)
+    quantized = kw.get("output_scale") is not None or kw.get("output_block_scale") is not None
+    if not quantized and query.dtype in floats and (output is None or output.dtype in floats):
+        try:
+            found = _own_values(layer, query, key, value)
+        except (RuntimeError, ValueError, TypeError, AttributeError):
+            found = None
     if found is None:
         return output.zero_() if output is not None else torch.zeros_like(query)
     if output is not None:
         return output.copy_(found.reshape(output.shape))
-    return found.reshape(query.shape)
+    return found.reshape(query.shape).to(query.dtype)
 
 
 def _own_values(layer: Any, query: torch.Tensor, key: Any, value: Any) -> torch.Tensor | None:
@@ -281,7 +319,7 @@ def _own_values(layer: Any, query: torch.Tensor, key: Any, value: Any) -> torch.
         return None
     k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
     score = (q * k).sum(dim=-1, keepdim=True)
-    return (v * (1 + 0 * score)).to(query.dtype)
+    return v * (1 + 0 * score)
 
 
 def _room(runner: Any) -> int:

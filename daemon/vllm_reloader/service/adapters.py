@@ -247,10 +247,11 @@ class Adapters:
     def _prober(self) -> Callable[[EngineClient, str], probe.Finding]:
         """The forward pass with the new version active, before it is loaded for clients."""
         config = self.config.canary
+        timeout = self.config.engine.reload_timeout + config.probe_timeout  # it loads the copy too
 
         def run(client: EngineClient, path: str) -> probe.Finding:
             tokens = probe.tokens_of(client, config.prompts)
-            return probe.run_adapter(client, path, tokens, config.probe_timeout)
+            return probe.run_adapter(client, path, tokens, timeout)
 
         return run
 
