@@ -289,14 +289,6 @@ def test_adapter_probe_never_judges_a_copy_a_probe_left_behind(lora_module):
     assert report["finite"] is False and runner.adapters == {1: 0.0}
 
 
-def test_adapter_probe_gives_way_when_vllms_adapter_cache_is_full(lora_module):
-    runner = LoraRunner()
-    runner.adapters = {1: 0.0, 2: 0.0, 3: 0.0}  # --max-cpu-loras 3, all held by clients
-    report = probe_adapter(SimpleNamespace(model_runner=runner), "/adapters/ok", [1])
-    assert report["available"] is False and "--max-cpu-loras" in report["why"]
-    assert runner.adapters == {1: 0.0, 2: 0.0, 3: 0.0} and runner.runs == []
-
-
 def test_adapter_probe_runs_no_pass_unless_every_tensor_parallel_rank_loaded_it(lora_module, monkeypatch):
     """Another rank could not load it: a rank going on into the pass alone would wait for the
     others' collectives forever."""

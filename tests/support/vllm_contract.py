@@ -48,7 +48,6 @@ LORA_METHODS = {
     "maybe_dummy_run_with_lora": ("lora_config", "num_scheduled_tokens", "num_sampled_tokens"),
     "add_lora": ("lora_request",),
     "remove_lora": ("lora_id",),
-    "list_loras": (),
 }
 """What the probe calls, or replaces, on a LoRA-enabled runner, with its leading parameters."""
 LORA_REQUEST = ("vllm/lora/request.py", "LoRARequest", ("lora_name", "lora_int_id", "lora_path"))

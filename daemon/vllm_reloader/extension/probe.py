@@ -158,16 +158,11 @@ def probe_adapter(worker: Any, path: str, tokens: list[int] | None) -> dict[str,
 
 
 def _no_adapter_pass(runner: Any, request_class: Any) -> str | None:
-    lora = getattr(runner, "lora_config", None)
-    if lora is None or request_class is None:
+    """Where no adapter pass can run. With vLLM's adapter cache full the probe's copy takes the
+    place of the least recently used adapter, as any request for another adapter does (it is
+    read again from its path when next asked for): `--max-cpu-loras` above `--max-loras` spares it."""
+    if getattr(runner, "lora_config", None) is None or request_class is None:
         return "LoRA is not enabled on this engine's runner"
-    held = runner.list_loras()
-    cache = int(getattr(lora, "max_cpu_loras", None) or getattr(lora, "max_loras", 0) or 0)
-    if PROBE_LORA_ID not in held and len(held) >= cache:
-        return (
-            "vLLM's adapter cache is full: the probe's copy would evict a client's adapter "
-            "(start vLLM with --max-cpu-loras at least --max-loras + 1)"
-        )
     return None
 
 
