@@ -140,9 +140,9 @@ class Engine:
             self.no_probe(str(why))
         if isinstance(device := timings.get("probe_device"), str):
             self.device, self.quantized = device, bool(timings.get("probe_quantized"))
-        if scan_failed and not self.scan_failed:
+        if scan_failed:
             self.scan_failed = True
-            self.log.warning("engine.probe_unavailable", reason=SCAN_FAILED)
+            self.no_probe(SCAN_FAILED)
 
     def no_probe(self, why: str) -> None:
         """New weights are judged by the canary alone, on live traffic: said once per cause."""
