@@ -4,6 +4,7 @@ from the tests (a stand-in that answers at once, so only the daemon's own time i
 from __future__ import annotations
 
 import json
+import mmap
 import statistics
 import sys
 import threading
@@ -97,14 +98,14 @@ def write_checkpoint(
     (directory / "manifest.json").write_text(json.dumps(manifest))
 
 
-def hash_all(files: list[Path], make: Callable[[], Any], threads: int) -> None:
+def hash_all(files: list[Path], make: Callable[[], Any], threads: int, buffer_bytes: int = 16 << 20) -> None:
     """Each file read as the gate must read it: into a reused buffer (one per thread), never
     mapped (a mapping dies on a file truncated under it), `threads` files at a time."""
     buffers = threading.local()
 
     def one(path: Path) -> None:
         state = make()
-        buffer = getattr(buffers, "buffer", None) or bytearray(16 << 20)
+        buffer = getattr(buffers, "buffer", None) or mmap.mmap(-1, buffer_bytes)  # page-aligned
         buffers.buffer, view = buffer, memoryview(buffer)
         with path.open("rb", buffering=0) as f:
             while n := f.readinto(view):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import blake3
 import pytest
 
 from tests.support.checkpoints import TENSORS, MakeCheckpoint, write_manifest, write_weights
@@ -388,3 +391,34 @@ def test_gate_waits_out_the_timestamp_tick_of_a_file_written_just_now(make_check
     assert verdict.status == "ready"
     assert started - newest < files.RACY_NS, "this test needs a file changed within the tick"
     assert time.time_ns() >= newest + files.RACY_NS
+
+
+def test_gate_hashes_each_file_on_one_thread_while_other_files_fill_the_cores(
+    make_checkpoint: MakeCheckpoint, monkeypatch
+):
+    """blake3's own threads only contend with the other files' readers; the last file,
+    read alone, gets every core again."""
+    directory = make_checkpoint("step-1", step=1, digests=("blake3",), shards=3)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    read, seen = gate.scan.read, []
+
+    def recorded(directory: Path, work: gate.scan.Work, *args: object, **kwargs: object):
+        seen.append((work.entry.path, work.hash_threads))
+        return read(directory, work, *args, **kwargs)
+
+    monkeypatch.setattr(gate.scan, "read", recorded)
+    with ThreadPoolExecutor(1) as pool:  # one file at a time, so the order is known
+        verdict = gate.check(directory, serving=None, options=NO_GRACE, run=gate.Run(threads=2, pool=pool))
+    assert verdict.status == "ready", verdict.reason
+    threads = [t for _, t in seen]
+    assert len(threads) == 4  # three shards and config.json
+    assert threads[:3] == [1, 1, 1] and threads[3] == blake3.blake3.AUTO
+
+
+def test_gate_reads_into_page_aligned_buffers():
+    """A read buffer 8 or 16 bytes off a 32-byte boundary (where a bytearray may start) cost
+    the kernel's copy and blake3 twice the CPU for the same bytes."""
+    for size in (gate.scan.CHUNK, 4096 + 3):
+        buffer = gate.scan.aligned(size)
+        assert len(buffer) == size
+        assert ctypes.addressof(ctypes.c_char.from_buffer(buffer)) % 4096 == 0

@@ -15,6 +15,7 @@ the GIL for both, so the scanning threads run beside the hashing ones.
 
 from __future__ import annotations
 
+import mmap
 import threading
 from dataclasses import dataclass
 
@@ -58,7 +59,7 @@ def element_bytes(dtype: str) -> int:
     return bits.word.itemsize if bits else 0
 
 
-def holds_non_finite(data: bytearray, start: int, end: int, dtype: str) -> bool:
+def holds_non_finite(data: bytearray | mmap.mmap, start: int, end: int, dtype: str) -> bool:
     """Whether the whole elements in `data[start:end]` of a tensor of `dtype` hold a NaN or
     Inf (False for dtypes that cannot: integers, booleans)."""
     bits = DTYPES.get(dtype)

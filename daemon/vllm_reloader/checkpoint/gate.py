@@ -32,7 +32,7 @@ import time
 import traceback
 from collections.abc import Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -255,9 +255,17 @@ def _read_bytes(directory: Path, work: list[scan.Work], run: Run) -> scan.Found 
         return None
     work = sorted(work, key=lambda w: w.entry.size, reverse=True)
     run.progress.total = sum(w.entry.size for w in work)
+    left, cores, lock = [len(work)], os.cpu_count() or 1, threading.Lock()
 
     def one(item: scan.Work) -> scan.Found | None:
-        return scan.read(directory, item, cancel=run.cancel, progress=run.progress, cache=run.cache)
+        with lock:  # files under way or to come: as many as cores, each hashes on one thread
+            alone = min(run.threads, left[0]) >= cores
+        item = replace(item, hash_threads=1) if alone else item
+        try:
+            return scan.read(directory, item, cancel=run.cancel, progress=run.progress, cache=run.cache)
+        finally:
+            with lock:
+                left[0] -= 1
 
     if run.pool is not None:
         return next((r for r in run.pool.map(one, work) if r), None)

@@ -82,13 +82,14 @@ def listed(fd: int, path: str) -> ManifestFile:
     return ManifestFile(path=path, size=size, blake3=hasher.hexdigest())
 
 
-def hashers(entry: ManifestFile) -> dict[str, Any]:
-    """A fresh hasher per digest the entry lists, to feed the file's bytes in order."""
+def hashers(entry: ManifestFile, threads: int = blake3.blake3.AUTO) -> dict[str, Any]:
+    """A fresh hasher per digest the entry lists, to feed the file's bytes in order. blake3
+    on `threads` threads (AUTO: all cores on big updates)."""
     found: dict[str, Any] = {}
     if entry.sha256:
         found["sha256"] = hashlib.sha256()
     if entry.blake3:
-        found["blake3"] = blake3.blake3(max_threads=blake3.blake3.AUTO)  # all cores on big updates
+        found["blake3"] = blake3.blake3(max_threads=threads)
     return found
 
 
