@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -16,6 +18,7 @@ from tests.support.dtypes import converted
 from tests.support.e2e_world import World, _next_step_above_serving, list_files
 from tests.support.engine_fixtures import API_KEY, DaemonProcess, daemon_config, start_engine
 from tests.support.hub_cache import cache_model
+from tests.support.service_fixtures import NotifySocket
 from vllm_reloader.tools.publish import publish
 
 pytestmark = pytest.mark.engine
@@ -26,6 +29,40 @@ def test_e2e_engine_with_api_key_refuses_calls_without_it(world: World):
     body = {"model": "tiny", "prompt": "w1", "max_tokens": 1}
     assert httpx.post(f"{world.engine.url}/v1/completions", json=body, timeout=60).status_code == 401
     assert world.engine.http.post("/v1/completions", json=body).status_code == 200
+
+
+def test_e2e_daemon_under_systemd_sends_ready_every_start_even_when_systemd_reads_late(
+    world: World, tmp_path: Path
+):
+    """The shipped unit's environment (NOTIFY_SOCKET, WATCHDOG_USEC=60 s), the real engine
+    already up, five starts: READY=1 naming the served version each time, also when the
+    notify queue was full through the start and read only after the engine was warmed."""
+    assert world.daemon.stop() == 0
+    try:
+        for start in range(5):
+            notify = NotifySocket(tmp_path / f"notify-{start}.sock")
+            late = start % 2 == 1
+            if late:  # as systemd busy: the kernel's default queue of 10 datagrams, all taken
+                with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK) as filler:
+                    while True:
+                        try:
+                            filler.sendto(b"STATUS=stale", str(notify.path))
+                        except BlockingIOError:
+                            break
+            env = {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "60000000"}
+            daemon = DaemonProcess(world.config, env=env)
+            try:
+                daemon.wait_for("engine.reconciled", version=world.serving)
+                if late:
+                    daemon.wait_for("engine.warmed")
+                    time.sleep(1.0)
+                ready = notify.wait_for("READY=1", timeout=30.0)
+                assert f"STATUS=serving {world.serving}" in " ".join(ready), (start, ready)
+            finally:
+                assert daemon.stop() == 0
+                notify.close()
+    finally:
+        world.start_daemon()
 
 
 def test_e2e_daemon_with_api_key_file_reloads_and_never_logs_the_key(world: World, tmp_path: Path):

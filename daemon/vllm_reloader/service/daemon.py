@@ -207,6 +207,8 @@ class Daemon:
         timeout = max(0.0, self.reloader.next_deadline() - time.monotonic())
         if self.notifier.watchdog_interval is not None:
             timeout = min(timeout, self.notifier.watchdog_interval)
+        if self.reporting.resend_at is not None:  # systemd did not take a datagram: again soon
+            timeout = min(timeout, max(0.0, self.reporting.resend_at - time.monotonic()))
         if self.stopping_since is not None:
             timeout = min(timeout, 0.5)
         try:

@@ -45,6 +45,17 @@ def snapshot(
     )
 
 
+RESEND_S = 0.5
+"""A datagram systemd did not take (its queue full) is sent again this soon, the loop woken
+for it: a READY=1 or STATUS= lost is otherwise only sent again at the next turn, which on an
+idle daemon may be a check interval away, and a start job waits for READY=1."""
+PING_S = 1.0
+"""WATCHDOG=1 and EXTEND_TIMEOUT_USEC at most this often. One of each per turn of the loop
+filled a notify queue of 10 datagrams (the kernel's default `net.unix.max_dgram_qlen`) in a
+busy second, and what came next (the STATUS that named the served version, READY=1) was
+dropped."""
+
+
 class Reporting:
     """systemd's view of the daemon, told at every turn of the loop."""
 
@@ -52,7 +63,11 @@ class Reporting:
         self.notifier = notifier
         self.ready_sent = False
         self.last_status = ""
+        """The STATUS= systemd last took."""
         self.next_observe = 0.0
+        self.next_ping = 0.0
+        self.resend_at: float | None = None
+        """When to turn again for a datagram systemd did not take; None: all were taken."""
 
     def turn(
         self,
@@ -65,23 +80,31 @@ class Reporting:
         """systemd's status and watchdog; once a second, with `[metrics] listen`, the metrics of
         what waits (one snapshot for both)."""
         observe = config.metrics.listen is not None and time.monotonic() >= self.next_observe
+        if not observe and not self.notifier.enabled:
+            return
         found = snapshot(reloader, adapters, remote, newer=observe)
         if observe:
             self.next_observe = time.monotonic() + 1.0
             reloader.metrics.observe(found, time.time())
-        now = status.line(found)
-        engines = reloader.engines
+        if self.notifier.enabled:
+            self._tell(config, reloader, status.line(found), healthy)
+
+    def _tell(self, config: Config, reloader: Reloader, now: str, healthy: bool) -> None:
+        clock, taken, engines = time.monotonic(), True, reloader.engines
         if not self.ready_sent and reloader.served.reconciled and engines.idle(engines.canary):
             # Until it is taken: a READY=1 dropped (systemd's queue full) would leave the start
             # job waiting, and systemd would kill the daemon at TimeoutStartSec.
-            self.ready_sent = self.notifier.ready(now) or not self.notifier.enabled
-        elif not self.ready_sent:
-            self.notifier.extend_timeout(config.engine.retry_max + 30)
+            self.ready_sent = taken = self.notifier.ready(now)
+            self.last_status = now if taken else self.last_status
         if now != self.last_status:
-            self.last_status = now
-            self.notifier.status(now)
-        if healthy:
-            self.notifier.watchdog()
+            taken = self.notifier.status(now)
+            self.last_status = now if taken else self.last_status
+        if clock >= self.next_ping:
+            extended = self.ready_sent or self.notifier.extend_timeout(config.engine.retry_max + 30)
+            pinged = extended and (not healthy or self.notifier.watchdog())
+            self.next_ping = clock + (PING_S if pinged else RESEND_S)
+            taken = taken and pinged
+        self.resend_at = None if taken else clock + RESEND_S
 
 
 def reload_budget(config: Config) -> float:
