@@ -5,8 +5,9 @@ translated where they enter, so the rest of the code only ever catches these::
 
     ReloaderError
     ├── ConfigError            bad or unreadable config file (the CLI exits 2, one line)
-    │   └── EngineNotSetUp     the engine lacks what the daemon needs: dev mode, a release in
-    │                          range, a readable layout baseline (the daemon exits 2, one line)
+    │   ├── EngineNotSetUp     the engine lacks what the daemon needs: dev mode, a release in
+    │   │                      range, a readable layout baseline (the daemon exits 2, one line)
+    │   └── AlreadyRunning     another daemon holds the state directory (exit 2, naming its pid)
     ├── CheckpointError        a checkpoint's own bytes say what it is not (becomes a verdict)
     │   ├── NotJSONYet         a manifest or HF index is not whole JSON: may still be written
     │   ├── ManifestInvalid    whole JSON that breaks the manifest schema: final until it changes
@@ -44,6 +45,11 @@ class ConfigError(ReloaderError):
 class EngineNotSetUp(ConfigError):
     """The engine is not started the way the daemon needs; the message names what to set.
     No retry fixes it, so the daemon exits 2 (systemd: `RestartPreventExitStatus=2`)."""
+
+
+class AlreadyRunning(ConfigError):
+    """Another daemon holds the state directory: two would reload one engine and replace each
+    other's control socket. Exit 2, naming its pid; nothing was touched."""
 
 
 class CheckpointError(ReloaderError):

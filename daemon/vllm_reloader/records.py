@@ -23,6 +23,8 @@ owner writes its whole fact again at its next change.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import os
 import sqlite3
@@ -33,9 +35,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from . import failpoints
-from .errors import StateError
+from .errors import AlreadyRunning, StateError
 
 NAME = "records.sqlite"
+LOCK_NAME = "lock"
+"""Held (flock) by the one daemon that owns the state directory, with its pid inside."""
 SCHEMA = 1
 OPEN_TRIES = 4
 OPEN_BACKOFF_S = 0.1
@@ -57,6 +61,37 @@ CREATE TABLE IF NOT EXISTS leases (
 """
 
 
+def take_lock(directory: Path) -> int:
+    """The state directory's lock, with this process's pid written in it. `AlreadyRunning`,
+    naming the holder's pid, when another daemon holds it; `StateError` when it cannot be made.
+    A POSIX record lock (`lockf`), so it is the process's: a second store opened in the same
+    process (a test reading what its daemon wrote) shares it, and the kernel drops it when the
+    process dies however it dies."""
+    path = directory / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise StateError(f"cannot open {path}: {_reason(exc)}") from exc
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        if exc.errno not in (errno.EAGAIN, errno.EACCES):
+            raise StateError(f"cannot lock {path}: {_reason(exc)}") from exc
+        raise AlreadyRunning(
+            f"another vllm-reloader (pid {holder}) runs with state dir {directory}: one daemon per "
+            "state dir (stop that one first, e.g. `systemctl stop vllm-reloader`, or give this one "
+            "its own [state] dir)"
+        ) from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        pass  # the lock holds all the same; only the pid a second daemon names is missing
+    return fd
+
+
 class Corrupt(Exception):
     """The file opened and is not a sound database of ours."""
 
@@ -76,8 +111,11 @@ class RecordStore:
     """One connection, used from every thread under one lock (the loop writes; source threads
     take verdicts from the outbox and register copies)."""
 
-    def __init__(self, connection: sqlite3.Connection, path: Path, log: Any) -> None:
+    def __init__(self, connection: sqlite3.Connection, path: Path, log: Any, held: int = -1) -> None:
         self._db, self.path, self.log = connection, path, log
+        self._held = held
+        """The state directory's lock (`take_lock`), released when the store closes; -1: none
+        (a reader)."""
         self._lock = threading.RLock()
         self._depth = 0
         self._failed = False
@@ -90,15 +128,20 @@ class RecordStore:
         """The store in `directory` (made when there is none). `StateError` when it cannot be
         read after retries; a corrupt one is set aside and a new one made."""
         path = directory / NAME
+        held = take_lock(directory)  # before anything in it is read or written
         try:
-            return cls(read_to_start(lambda: _connect(path), path, log), path, log)
-        except Corrupt as exc:
-            aside = _set_aside(path)
-            log.error(
-                "state.corrupt", path=str(path), moved_to=str(aside),
-                reason=f"{exc}: starting from what the engines say",
-            )  # fmt: skip
-            return cls(_connect(path), path, log)
+            try:
+                return cls(read_to_start(lambda: _connect(path), path, log), path, log, held)
+            except Corrupt as exc:
+                aside = _set_aside(path)
+                log.error(
+                    "state.corrupt", path=str(path), moved_to=str(aside),
+                    reason=f"{exc}: starting from what the engines say",
+                )  # fmt: skip
+                return cls(_connect(path), path, log, held)
+        except BaseException:
+            os.close(held)
+            raise
 
     @classmethod
     def reader(cls, directory: Path, log: Any) -> RecordStore:
@@ -121,11 +164,17 @@ class RecordStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+            if self._held >= 0:
+                os.close(self._held)
+                self._held = -1
 
     def move_to(self, directory: Path) -> None:
         """A SIGHUP's new `state.dir`: everything held here is written there (what was there is
         replaced), and the store lives there from now on. `StateError`: it stays here."""
-        new = RecordStore.open(directory, self.log)
+        try:
+            new = RecordStore.open(directory, self.log)
+        except AlreadyRunning as exc:
+            raise StateError(str(exc)) from exc
         with self._lock, new._lock:
             try:
                 new._db.execute("BEGIN IMMEDIATE")
@@ -142,7 +191,9 @@ class RecordStore:
                 new.close()
                 raise StateError(f"cannot write {new.path}: {_reason(exc)}") from exc
             self._db.close()
-            self._db, self.path = new._db, new.path
+            if self._held >= 0:
+                os.close(self._held)
+            self._db, self.path, self._held = new._db, new.path, new._held
 
     # -- one decision, one transaction -------------------------------------------------------
 

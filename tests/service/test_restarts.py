@@ -20,7 +20,7 @@ from tests.support.checkpoints import TENSORS, MakeCheckpoint
 from tests.support.engine_fixtures import DaemonProcess
 from tests.support.fake_engine import FakeEngine, FakeEngineServer
 from tests.support.ports import unused_port
-from tests.support.records import open_records
+from tests.support.records import read_records
 from vllm_reloader.errors import ControlError
 from vllm_reloader.service import control, state
 
@@ -158,7 +158,7 @@ def test_an_engine_not_clean_after_its_rollback_stays_out_after_a_kill_until_it_
     first.wait_for("engine.reconciled")
     make_checkpoint("step-2", step=2, root=host.root, seed=2)
     host.killed(first)
-    assert "not clean" in open_records(host.state).all("engine_unclean")[host.server.url]
+    assert "not clean" in read_records(host.state).all("engine_unclean")[host.server.url]
     second = host.start()
     second.wait_for("engine.reconciled", version="step-1")
     until(lambda: host.ready()[0] == 503, what="out of rotation")
@@ -166,7 +166,7 @@ def test_an_engine_not_clean_after_its_rollback_stays_out_after_a_kill_until_it_
     host.engine.garbage.clear()
     host.engine.version, host.engine.loaded = "default", host.engine.startup  # it restarted, on step-1
     until(lambda: host.ready() == (200, "ready"), what="back in rotation once restarted")
-    assert open_records(host.state).all("engine_unclean") == {}
+    assert read_records(host.state).all("engine_unclean") == {}
 
 
 def test_a_pin_decided_before_a_kill_holds_after_it(host, make_checkpoint):
@@ -200,7 +200,7 @@ def test_an_adapter_that_failed_its_canary_and_stayed_loaded_keeps_the_engine_ou
     write_adapter(host.adapters / "support" / "step-2", seed=2)
     host.killed(first)
     assert "step-2@" in engine.loras["support"], "the engine still holds the failed adapter"
-    records = open_records(host.state)
+    records = read_records(host.state)
     [failed] = records.all("adapter_failed_here")
     assert failed.startswith(host.server.url) and failed.split()[1] in records.all("adapter_rejected")
     seen: list[tuple[int, str]] = []

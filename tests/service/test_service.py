@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,6 +15,7 @@ from tests.support.fake_engine import FakeEngine, unreachable
 from tests.support.service_fixtures import NotifySocket
 from vllm_reloader import failpoints
 from vllm_reloader.service import state
+from vllm_reloader.tools.demo import free_port
 
 
 def test_service_ready_status_and_watchdog_over_notify_socket(service):
@@ -119,12 +122,15 @@ def test_service_sigterm_lets_in_flight_reload_finish(service, make_checkpoint):
 
 
 def test_service_log_priority_prefix_for_journald(service):
-    start, engine, _notify, _config, _root = service
-    engine.fail["/weight_info"] = unreachable()
+    start, engine, _notify, config, _root = service
+    fast = config.read_text().replace("retry_max = 2.0\n", "retry_max = 2.0\ncheck_interval = 0.1\n")
+    config.write_text(fast)
     daemon = start(args=("--log-priority-prefix",))
+    daemon.wait_for("engine.reconciled")
+    engine.fail["/weight_info"] = unreachable()  # it answered before: a warning now
     daemon.wait_for("engine.unreachable")
     del engine.fail["/weight_info"]
-    daemon.wait_for("engine.reconciled")
+    daemon.wait_for("engine.reconciled", timeout=30)
     assert daemon.stop() == 0
     prefixes = {line[:3] for line in daemon.raw if line.startswith("<")}
     assert {"<4>", "<6>"} <= prefixes
@@ -190,6 +196,58 @@ def test_service_says_ready_again_until_systemd_takes_it(service):
     daemon.wait_for("config.reloaded")
     time.sleep(0.5)
     assert "READY=1" in notify.wait_for("READY=1")
+    assert daemon.stop() == 0
+
+
+def drain(notify: NotifySocket) -> list[list[str]]:
+    """Everything queued now, read at once (systemd catching up)."""
+    found = []
+    notify.sock.setblocking(False)
+    try:
+        while True:
+            try:
+                found.append(notify.sock.recv(65536).decode().split("\n"))
+            except BlockingIOError:
+                return found
+    finally:
+        notify.sock.settimeout(0.2)
+
+
+def test_service_whose_ready_systemd_dropped_while_idle_sends_it_again_within_a_second(service):
+    """A queue that stays full through the start (systemd busy; the kernel's default is 10
+    datagrams): READY=1, and the STATUS naming what is served, come once it is read, although
+    nothing else wakes the loop for seconds (the next engine check)."""
+    start, _engine, notify, _config, _root = service
+    assert fill(notify) >= 1
+    daemon = start()
+    daemon.wait_for("engine.warmed")
+    time.sleep(1.0)  # its READY=1 went nowhere; the daemon has nothing else to do
+    assert all("READY=1" not in fields for fields in drain(notify))
+    read_at = time.monotonic()
+    ready = notify.wait_for("READY=1", timeout=3.0)
+    assert time.monotonic() - read_at < 1.5, "sent again at once, not at the next engine check"
+    assert any(f.startswith("STATUS=serving step-1") for f in ready)
+    assert daemon.stop() == 0
+
+
+def test_service_tells_systemd_at_most_a_few_datagrams_a_second_however_busy_the_loop(service):
+    """A writer's many files turn the loop a hundred times a second: a WATCHDOG=1 and an
+    EXTEND_TIMEOUT_USEC per turn filled systemd's queue, and the datagrams that mattered were lost."""
+    start, _engine, notify, _config, root = service
+    daemon = start(WATCHDOG_USEC="2000000")  # a ping a second is owed
+    notify.wait_for("READY=1")
+    busy = root / "busy"
+    busy.mkdir()
+    drain(notify)
+    began = time.monotonic()
+    for i in range(200):  # each a watcher event, each a turn of the loop
+        (busy / f"f{i}").write_bytes(b"x")
+        time.sleep(0.01)
+    time.sleep(max(0.0, 2.0 - (time.monotonic() - began)))
+    told = drain(notify)
+    seconds = time.monotonic() - began
+    assert ["WATCHDOG=1"] in told, "still told systemd it is alive"
+    assert len(told) <= 2 * (seconds + 1), told  # a full queue holds 10
     assert daemon.stop() == 0
 
 
@@ -276,3 +334,36 @@ def test_service_exits_2_with_one_line_when_the_engine_has_no_dev_mode(service):
     assert "VLLM_SERVER_DEV_MODE=1" in str(line["reason"]) and line["level"] == "error"
     assert not any("READY=1" in m for m in notify.messages)
     assert "Traceback" not in "".join(daemon.raw)
+
+
+@pytest.mark.parametrize("metrics", [False, True])
+def test_service_second_run_on_the_same_state_dir_exits_2_naming_the_first_and_touches_nothing(
+    service, metrics: bool
+):
+    """One daemon per state dir: a second `run` by mistake must not replace the first's
+    control socket (nor delete it on exit), with or without a metrics port both want."""
+    start, _engine, notify, config, _root = service
+    if metrics:
+        with config.open("a") as extra:
+            extra.write(f'[metrics]\nlisten = "127.0.0.1:{free_port()}"\n')
+    first = start()
+    notify.wait_for("READY=1")
+    control = config.parent / "s" / "control.sock"
+    before = control.stat().st_ino
+    second = subprocess.run(
+        [sys.executable, "-m", "vllm_reloader", "run", "--config", str(config)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert second.returncode == 2, second.stderr
+    said = second.stderr.strip().splitlines()
+    assert len(said) == 1 and f"pid {first.process.pid}" in said[0] and "Traceback" not in second.stderr
+    assert control.stat().st_ino == before
+    asked = subprocess.run(
+        [sys.executable, "-m", "vllm_reloader", "status", "--config", str(config)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert asked.returncode == 0 and "serving" in asked.stdout, asked.stderr
+    assert first.stop() == 0
+    again = start()  # the lock goes with the process: the next daemon starts
+    notify.wait_for("READY=1")
+    assert again.stop() == 0

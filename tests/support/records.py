@@ -17,6 +17,11 @@ def open_records(directory: Path) -> RecordStore:
     return RecordStore.open(directory, structlog.get_logger())
 
 
+def read_records(directory: Path) -> RecordStore:
+    """The record store in `directory`, read-only and without its lock (a daemon may run on it)."""
+    return RecordStore.reader(directory, structlog.get_logger())
+
+
 class FullDisk:
     """The store's connection on a full disk: every write fails as SQLite says it then (in WAL
     mode, with `at_commit`, only the COMMIT: the WAL grows as the transaction is committed)."""
