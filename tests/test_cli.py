@@ -1,6 +1,8 @@
 """The console script as a user runs it: a real subprocess, exit codes, one-line errors."""
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -217,15 +219,17 @@ def test_cli_publish_of_bin_weights_only_is_refused_at_once_and_writes_nothing(t
 
 
 def test_cli_run_whose_reader_goes_away_stops_at_once_without_a_traceback(tmp_path):
-    """`vllm-reloader run ... | head -3`: an engine that never answers keeps the lines coming."""
+    """`vllm-reloader run ... | head -2`: the line after the reader left (here the one a SIGHUP
+    brings) stops the daemon."""
     config = _config(tmp_path, engine='url = "http://127.0.0.1:1"\nretry_initial = 0.05\nretry_max = 0.1')
     with subprocess.Popen(
         [sys.executable, "-m", "vllm_reloader", "run", "--config", config],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     ) as daemon:  # fmt: skip
         assert daemon.stdout is not None and daemon.stderr is not None
-        first = [daemon.stdout.readline() for _ in range(3)]
-        daemon.stdout.close()  # as `head -3` exits
+        first = [daemon.stdout.readline() for _ in range(2)]  # daemon.started, engine.starting
+        daemon.stdout.close()  # as `head -2` exits
+        daemon.send_signal(signal.SIGHUP)  # config.reloaded: a line with nobody reading
         try:
             assert daemon.wait(timeout=20) == 141, "stopped as by SIGTERM, not 0: systemd restarts it"
         finally:
@@ -233,4 +237,29 @@ def test_cli_run_whose_reader_goes_away_stops_at_once_without_a_traceback(tmp_pa
         errors = daemon.stderr.read()
     assert "Traceback" not in errors and "BrokenPipe" not in errors, errors
     assert errors == ""
-    assert [list(json.loads(line))[:3] for line in first] == [["timestamp", "level", "event"]] * 3
+    assert [json.loads(line)["event"] for line in first] == ["daemon.started", "engine.starting"]
+
+
+def test_cli_says_its_version():
+    result = cli("--version")
+    assert result.returncode == 0 and result.stdout.startswith("vllm-reloader ")
+    assert result.stdout.split()[1][0].isdigit()
+
+
+def test_cli_control_commands_find_the_config_from_the_environment_without_flag(tmp_path):
+    """The runbooks paste `vllm-reloader status`: no --config needed where the install put it."""
+    config = tmp_path / "daemon.toml"
+    config.write_text(
+        f'[source]\npath = "{tmp_path}"\n[engine]\nurl = "http://127.0.0.1:1"\n[state]\ndir = "{tmp_path}"\n'
+    )
+    env = {**os.environ, "VLLM_RELOADER_CONFIG": str(config)}
+    found = subprocess.run(
+        [sys.executable, "-m", "vllm_reloader", "status"], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert found.returncode == 1 and "cannot reach the daemon" in found.stderr, found.stderr
+    env["VLLM_RELOADER_CONFIG"] = str(tmp_path / "missing.toml")
+    missing = subprocess.run(
+        [sys.executable, "-m", "vllm_reloader", "status"], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1
+    assert "missing.toml does not exist: pass --config FILE" in missing.stderr

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,15 +19,46 @@ from .checkpoint import gate, layout
 from .checkpoint.conventions import Convention, Mode
 from .errors import ConfigError, LayoutUnreadable, ReloaderError
 
+DEFAULT_CONFIG = Path("/etc/vllm-reloader/vllm-reloader.toml")
+"""Where the production install puts it (the systemd unit's --config): found without --config."""
+CONFIG_ENV = "VLLM_RELOADER_CONFIG"
+
+
+def _config_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", type=Path, metavar="FILE",
+        help=f"the daemon's config (default: ${CONFIG_ENV}, else {DEFAULT_CONFIG})",
+    )  # fmt: skip
+
+
+def _config_path(given: Path | None) -> Path:
+    """--config, else $VLLM_RELOADER_CONFIG, else where the production install puts it."""
+    if given is not None:
+        return given
+    found = Path(os.environ[CONFIG_ENV]) if os.environ.get(CONFIG_ENV) else DEFAULT_CONFIG
+    if not found.exists():
+        raise ConfigError(f"no --config given and {found} does not exist: pass --config FILE")
+    return found
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm-reloader")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-reloader", description="Hot-swap new checkpoints into a running vLLM engine."
     )
+    parser.add_argument("--version", action="version", version=f"vllm-reloader {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="run the daemon in the foreground")
-    run.add_argument("--config", required=True, type=Path, metavar="FILE")
+    _config_flag(run)
     run.add_argument(
         "--log-priority-prefix",
         action="store_true",
@@ -42,16 +74,14 @@ def _parser() -> argparse.ArgumentParser:
     publish.add_argument("--move", action="store_true", help="move files instead of copying")
 
     status = commands.add_parser("status", help="what the running daemon serves and why")
-    status.add_argument("--config", required=True, type=Path, metavar="FILE")
+    _config_flag(status)
     status.add_argument("--json", action="store_true", help="the raw answer, as JSON")
     pin = commands.add_parser("pin", help="load VERSION and stop auto-advancing")
     pin.add_argument("version", metavar="VERSION")
-    pin.add_argument("--config", required=True, type=Path, metavar="FILE")
+    _config_flag(pin)
     pin.add_argument("--force", action="store_true", help="pin a rejected version: gate and load it again")
     for name, text in (("unpin", "resume auto-advancing"), ("reload", "rescan and check the engine now")):
-        commands.add_parser(name, help=text).add_argument(
-            "--config", required=True, type=Path, metavar="FILE"
-        )
+        _config_flag(commands.add_parser(name, help=text))
 
     demo = commands.add_parser("demo", help="tiny checkpoints, a CPU vLLM engine, one hot reload")
     demo.add_argument("--engine-url", metavar="URL", help="use this running engine instead of starting one")
@@ -132,7 +162,7 @@ def _verify(directory: Path, against: Path | None, mode: Mode) -> int:
 def _control(args: argparse.Namespace) -> int:
     from .service import control, status
 
-    cfg = config_mod.load(args.config)
+    cfg = config_mod.load(_config_path(args.config))
     fields = {"version": args.version, "force": args.force} if args.command == "pin" else {}
     answer = control.call(cfg.control_socket, args.command, **fields)
     if not answer.get("ok"):
@@ -148,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "run":
-            return _run(args.config, args.log_priority_prefix)
+            return _run(_config_path(args.config), args.log_priority_prefix)
         if args.command == "publish":
             return _publish(args)
         if args.command in ("status", "pin", "unpin", "reload"):
