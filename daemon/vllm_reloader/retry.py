@@ -54,10 +54,12 @@ class Backoff(Generic[K]):
     def clock() -> float:
         return time.monotonic()
 
-    def failed(self, key: K) -> float:
-        """One more failure in a row: returns the wait before `key` is tried again."""
+    def failed(self, key: K, at_most: float | None = None) -> float:
+        """One more failure in a row: returns the wait before `key` is tried again (no longer
+        than `at_most`, when given)."""
         _, failures = self._until.get(key, (0.0, 0))
         wait = self.policy.wait(failures + 1)
+        wait = wait if at_most is None else min(wait, at_most)
         self._until[key] = (self.clock() + wait, failures + 1)
         return wait
 

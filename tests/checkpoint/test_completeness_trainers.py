@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from vllm_reloader.checkpoint import gate
+from vllm_reloader.checkpoint import conventions, gate
 from vllm_reloader.checkpoint.conventions import Convention
 from vllm_reloader.checkpoint.files import INDEX_NAME
 
@@ -204,3 +204,24 @@ def test_a_tracker_that_is_not_a_small_regular_file_names_nothing_and_stops_noth
     else:
         tracker.write_bytes(b"\xff\xfe global_step5 \0")
     assert converts(step) is None
+
+
+@pytest.mark.parametrize(
+    ("name", "state", "step"),
+    [
+        ("checkpoint-200", b"", 200),
+        ("step-7", b"", 7),
+        ("global_step300", b"", 300),
+        ("checkpoint-200", b'{"global_step": 250}', 250),  # Trainer's own count wins
+        ("final", b'{"global_step": 9}', 9),
+        ("final", b"", None),  # save_model's output: no step anywhere
+        ("model-v2", b"", None),  # a number that is not a step
+        ("checkpoint-200", b'{"global_step": true}', 200),
+        ("checkpoint-200", b'{"global_step": -1}', 200),
+        ("checkpoint-200", b'{"global_step": "300"}', 200),
+        ("checkpoint-200", b"[" * 100_000, 200),  # nested past the parser
+        ("checkpoint-200", b'{"global_step": 3', 200),  # half written
+    ],
+)
+def test_trainer_step_reads_global_step_then_the_name(name: str, state: bytes, step: int | None):
+    assert conventions.trainer_step(name, state) == step

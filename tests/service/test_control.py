@@ -110,7 +110,7 @@ def test_control_status_says_why_the_engine_does_not_answer(service):
     start, engine, _notify, config, _root = service
     engine.fail["/weight_info"] = unreachable()
     daemon = start()
-    daemon.wait_for("engine.unreachable")
+    daemon.wait_for("engine.starting")
     answer = status(config)
     assert answer["engine"]["reachable"] is False
     assert answer["engine"]["last_error"].startswith("/weight_info: ")

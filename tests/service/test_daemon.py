@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 
 import pytest
@@ -76,9 +77,32 @@ def test_daemon_waits_for_unreachable_engine_then_loads(start, root, make_checkp
     engine = FakeEngine(startup=str(root / "step-1"))
     engine.fail["/weight_info"] = unreachable()
     running = start(engine)
-    running.wait_for("engine.unreachable")
+    starting = running.wait_for("engine.starting")  # never answered yet: starting, not down
+    assert starting["log_level"] == "info" and starting["poll_s"] == 1.0
     del engine.fail["/weight_info"]
     running.wait_for("reload.succeeded", version="step-2")
+    assert not running.events("engine.unreachable")
+
+
+def test_daemon_polls_a_starting_engine_every_second_and_warns_once_past_the_bound(
+    start, root, make_checkpoint, monkeypatch
+):
+    from vllm_reloader.service import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "STARTING_WARN_AFTER_S", 2.5)
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    engine.fail["/weight_info"] = unreachable()
+    running = start(engine)  # retry_max 2 s: a backoff would ask at 0.2, 0.6, 1.4, 3.4 s
+    running.wait_for("engine.starting")
+    warned = running.wait_for("engine.unreachable", timeout=10)
+    assert warned["log_level"] == "warning" and warned["waited_s"] >= 2 and "systemctl" in warned["fix"]
+    asked = engine.calls.count("/weight_info")
+    time.sleep(2.2)
+    assert engine.calls.count("/weight_info") - asked >= 2, "asked every second"
+    assert len(running.events("engine.unreachable")) == 1 and len(running.events("engine.starting")) == 1
+    del engine.fail["/weight_info"]
+    running.wait_for("engine.reconciled")
 
 
 def test_daemon_goes_straight_to_newest_of_a_burst(start, root, make_checkpoint):
@@ -86,7 +110,7 @@ def test_daemon_goes_straight_to_newest_of_a_burst(start, root, make_checkpoint)
     engine = FakeEngine(startup=str(root / "step-0"))
     engine.fail["/weight_info"] = unreachable()
     running = start(engine)
-    running.wait_for("engine.unreachable")
+    running.wait_for("engine.starting")
     for i in range(1, 11):
         make_checkpoint(f"step-{i}", step=i, root=root)
     del engine.fail["/weight_info"]
@@ -193,7 +217,7 @@ def test_daemon_by_default_serves_an_hf_checkpoint_copied_in_and_says_what_one_w
     assert engine.loaded == str(target)
 
 
-def test_daemon_says_once_that_a_copy_without_a_step_behind_a_stepped_version_will_not_load(
+def test_daemon_says_once_that_a_copy_naming_a_lower_step_than_what_serves_will_not_load(
     start, root, make_checkpoint
 ):
     make_checkpoint("step-100", step=100, root=root)
@@ -201,13 +225,38 @@ def test_daemon_says_once_that_a_copy_without_a_step_behind_a_stepped_version_wi
     running = start(engine, settle_seconds=1.0)
     running.wait_for("engine.reconciled", version="step-100")
     (root / "step-101").mkdir()  # a writer that writes its manifest in place, last: not yet
-    write_weights(root / "checkpoint-500", seed=5)
-    said = running.wait_for("checkpoint.passed_over", name="checkpoint-500")
-    assert said["serving"] == "step-100" and "pin checkpoint-500" in said["fix"]
+    write_weights(root / "checkpoint-50", seed=5)
+    said = running.wait_for("checkpoint.passed_over", name="checkpoint-50")
+    assert said["serving"] == "step-100" and "pin checkpoint-50" in said["fix"]
+    assert "step 50, not newer than step-100" in said["reason"]
+    shown = status.answer(running.daemon.snapshot())["passed_over"]
+    assert list(shown) == ["checkpoint-50"] and "pin checkpoint-50" in shown["checkpoint-50"]
     make_checkpoint("step-101", step=101, root=root, seed=1)
     running.wait_for("reload.succeeded", version="step-101")
-    assert [e["name"] for e in running.events("checkpoint.passed_over")] == ["checkpoint-500"]
-    assert f"reload:{root / 'checkpoint-500'}" not in engine.calls
+    assert [e["name"] for e in running.events("checkpoint.passed_over")] == ["checkpoint-50"]
+    assert f"reload:{root / 'checkpoint-50'}" not in engine.calls
+    shutil.rmtree(root / "checkpoint-50")
+    deadline = time.monotonic() + 10
+    while "checkpoint-50" in status.answer(running.daemon.snapshot())["passed_over"]:
+        assert time.monotonic() < deadline, "a deleted copy stays in status"
+        time.sleep(0.05)
+
+
+def test_daemon_serves_a_trainer_checkpoint_copied_in_after_a_stepped_publish(start, root, make_checkpoint):
+    """The drop-a-checkpoint workflow: Trainer's `checkpoint-N` has step N (its
+    trainer_state.json's global_step first), so it is newer than `step-1`."""
+    make_checkpoint("step-1", step=1, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    running = start(engine, settle_seconds=0.3)
+    running.wait_for("engine.reconciled", version="step-1")
+    write_weights(root / "checkpoint-200", seed=2)
+    running.wait_for("reload.succeeded", version="checkpoint-200")
+    staged = root.parent / "staged-run"
+    write_weights(staged, seed=3)
+    (staged / "trainer_state.json").write_text('{"global_step": 300, "log_history": []}')
+    staged.rename(root / "run-final")  # the name says no step; Trainer's state does
+    running.wait_for("reload.succeeded", version="run-final")
+    assert not running.events("checkpoint.passed_over")
 
 
 def test_daemon_does_not_say_a_manifest_written_in_part_is_passed_over(start, root, make_checkpoint):
@@ -221,9 +270,9 @@ def test_daemon_does_not_say_a_manifest_written_in_part_is_passed_over(start, ro
     whole = (target / "manifest.json").read_bytes()
     (target / "manifest.json").write_bytes(whole[: len(whole) // 2])  # a writer caught mid-write
     running.wait_for("checkpoint.seen", name="step-101")
-    write_weights(root / "checkpoint-500", seed=5)  # said after step-101 was looked at
-    running.wait_for("checkpoint.passed_over", name="checkpoint-500")
-    assert [e["name"] for e in running.events("checkpoint.passed_over")] == ["checkpoint-500"]
+    write_weights(root / "checkpoint-50", seed=5)  # said after step-101 was looked at
+    running.wait_for("checkpoint.passed_over", name="checkpoint-50")
+    assert [e["name"] for e in running.events("checkpoint.passed_over")] == ["checkpoint-50"]
     (target / "manifest.json").write_bytes(whole)
     running.wait_for("reload.succeeded", version="step-101")
 

@@ -48,12 +48,14 @@ from .conventions import (
     CONTENT_METADATA,
     MEGATRON_LEGACY_FILE,
     TRACKERS,
+    TRAINER_STATE,
     Convention,
     Foreign,
     foreign,
     name_step,
     resolved,
     signal_name,
+    trainer_step,
     waiting_reason,
     wanted,
 )
@@ -162,8 +164,10 @@ def fingerprint(listing: Listing, convention: Convention) -> str:
 
 def candidate(name: str, listing: Listing, convention: Convention) -> order.Candidate:
     """Name, step and fingerprint: enough to order candidates without gating them.
-    Foreign writers' checkpoints have no step of ours: they order by name; but a trainer's own
-    format has the step its converted output will have (`name_step`), to be converted in turn."""
+    A manifest's step is ours; a trainer's checkpoint takes its own (`trainer_step`:
+    trainer_state.json's global_step, else a `checkpoint-N` name), also while still written, so
+    it is waited for as newer; a trainer's own format has the step its converted output will
+    have (`name_step`), to be converted in turn. With none, a checkpoint orders by name."""
     try:
         fp = fingerprint(listing, convention)
     except OSError:
@@ -176,8 +180,19 @@ def candidate(name: str, listing: Listing, convention: Convention) -> order.Cand
         except (OSError, NotJSONYet, ManifestInvalid):
             step = None
     elif fp and mode == "auto":  # nothing else says it is whole: a trainer's own format
-        step = name_step(name)
+        step = name_step(order.base_name(name))
+    elif mode != "manifest":  # whole or still written: a `checkpoint-N` waited for is newer
+        step = _trainer_step(name, listing)
     return order.Candidate(name, step, fp)
+
+
+def _trainer_step(name: str, listing: Listing) -> int | None:
+    """A checkpoint a trainer wrote straight into the root: its own step (`trainer_step`)."""
+    try:
+        state = listing.whole(TRAINER_STATE) if TRAINER_STATE in listing.top() else b""
+    except OSError:
+        state = b""
+    return trainer_step(order.base_name(name), state)
 
 
 def describe(listing: Listing, convention: Convention, now: float) -> Listed | Incomplete:

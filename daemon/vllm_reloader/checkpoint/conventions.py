@@ -6,6 +6,7 @@ the files show (see `completeness`'s docstring for what each one requires).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
@@ -127,6 +128,24 @@ def name_step(name: str) -> int | None:
     (`global_step100`, `iter_0000100`, `step-100`)."""
     found = _TRAILING_NUMBER.search(name)
     return int(found[1]) if found else None
+
+
+_STEP_NAME = re.compile(r"(?:checkpoint|step|global_step|iter)[-_]?(\d+)", re.IGNORECASE)
+
+
+def trainer_step(name: str, trainer_state: bytes) -> int | None:
+    """The step a trainer gave a servable checkpoint with no manifest of ours: Trainer's
+    `global_step` in trainer_state.json, else the number a `checkpoint-N` / `step-N` name
+    ends in. None when neither says (a `save_model` output): it orders by arrival."""
+    try:
+        found = json.loads(trainer_state) if trainer_state else None
+    except (ValueError, RecursionError):  # half written, or hostile: the name may still say
+        found = None
+    step = found.get("global_step") if isinstance(found, dict) else None
+    if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 2**63:
+        return step
+    named = _STEP_NAME.fullmatch(name)
+    return int(named[1]) if named else None
 
 
 _ITERATION = re.compile(r"iter_0*(\d+)")

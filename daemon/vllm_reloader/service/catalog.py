@@ -55,6 +55,8 @@ class Catalog:
         self.arrived: set[str] = set()
         """Names that appeared while running (not at the first scan): each is said to be passed
         over, once, if it orders before what serves (a copy with no step behind a stepped one)."""
+        self.passed_over: dict[str, str] = {}
+        """Those said to be passed over, while they stay so: name → why (for `status`)."""
         self.log = log.get()
 
     def configure(self, root: Path, ignore: Iterable[str], convention: Convention) -> None:
@@ -88,6 +90,7 @@ class Catalog:
 
     def forget(self, name: str) -> None:
         self.arrived.discard(name)
+        self.passed_over.pop(name, None)
         self.candidates.pop(name, None)
         self.pending.pop(name, None)
         self.recheck_at.pop(name, None)
@@ -132,6 +135,7 @@ class Catalog:
             self._say_passed_over(worth, serving_key)
         names = {c.name for c in worth}
         self.pending = {n: reason for n, reason in self.pending.items() if n in names}
+        self.passed_over = {n: why for n, why in self.passed_over.items() if n not in names}
         return worth
 
     def _say_passed_over(self, worth: Sequence[order.Candidate], serving: order.Serving) -> None:
@@ -144,14 +148,11 @@ class Catalog:
             self.arrived.discard(name)
             if found.fingerprint in self.rejected_view.get(found.base, ()):
                 continue
-            self.log.info(
-                "checkpoint.passed_over",
-                name=name,
-                serving=serving.name,
-                reason="not newer than what serves: checkpoints order by manifest step, then name, "
-                "and one without a step sorts before every stepped one",
-                fix=f"`vllm-reloader pin {name}` loads it; or publish it with --step",
-            )
+            step = "no step" if found.step is None else f"step {found.step}"
+            reason = f"{step}, not newer than {serving.name}: {ORDER_RULE}"
+            fix = f"`vllm-reloader pin {name}` loads it; or publish it with a higher --step"
+            self.passed_over[name] = f"{reason}; {fix}"
+            self.log.info("checkpoint.passed_over", name=name, serving=serving.name, reason=reason, fix=fix)
 
     def _dated(self, serving: order.Serving) -> order.Serving:
         """`serving` with the time its copy was placed, when it is in the root."""
@@ -279,6 +280,12 @@ REASON_NOT_KEPT = "rejected before (its reason was not kept)"
 
 def _fingerprints(rejected: Mapping[str, Rejection]) -> Mapping[str, frozenset[str]]:
     return MappingProxyType({name: frozenset((r.fingerprint, *r.earlier)) for name, r in rejected.items()})
+
+
+ORDER_RULE = (
+    "checkpoints order by step (a manifest's; else Trainer's global_step, or the number a "
+    "checkpoint-N / step-N name ends in), then name; one with no step sorts before every stepped one"
+)
 
 
 def _settled(root: Path, convention: Convention, found: order.Candidate) -> bool:

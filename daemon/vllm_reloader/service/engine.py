@@ -6,6 +6,7 @@ engine's own thread, started by its scheduler.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,6 +28,12 @@ from .metrics import Metrics
 from .served import Served
 from .state import Loaded
 
+STARTING_POLL_S = 1.0
+"""An engine that never answered since the daemon started is asked this often: its start is
+noticed within a second, whatever `retry_max` says."""
+STARTING_WARN_AFTER_S = 600.0
+"""...and said as a warning once it has not answered for this long (a big model on a slow
+disk takes minutes; ten without an answer is worth a look)."""
 FOUND_PAUSED = "found paused: resuming it"
 RESUME_FAILED = "its resume failed: retrying"
 CHANGED_UNDER_US = "its weights changed under us: reconciling"
@@ -70,6 +77,11 @@ class Engine:
     """Its last probe said the weights are quantized (a scan of them is not the checkpoint's)."""
     scan_failed: bool = False
     """A scan inside the pause failed or gave no answer: the host scans for it until it restarts."""
+    answered_once: bool = False
+    """It answered since the daemon started: a refusal now is an outage, not a start."""
+    starting_since: float | None = None
+    """When it first did not answer, before it ever did (it is starting: said as info)."""
+    start_warned: bool = False
 
     @classmethod
     def make(
@@ -97,14 +109,34 @@ class Engine:
     # -- what it answered ----------------------------------------------------------------------
 
     def answered(self, now: float, check_interval: float) -> None:
+        self.answered_once = True
         self.served.answered(now, check_interval)
         self.down.succeeded(self.url)
         self.metrics.engine_up.labels(engine=self.url).set(1)
 
     def went_down(self, exc: EngineError) -> None:
-        wait = self.down.failed(self.url)
         self.served.went_down(str(exc))
         self.metrics.engine_up.labels(engine=self.url).set(0)
+        now = time.monotonic()
+        if isinstance(exc, EngineUnavailable) and not self.answered_once:  # most likely starting
+            self.starting_since = self.starting_since or now
+            waited = now - self.starting_since
+            if waited < STARTING_WARN_AFTER_S:
+                self.down.failed(self.url, at_most=STARTING_POLL_S)  # noticed once it is up
+                if self.down.failures(self.url) == 1:
+                    self.log.info("engine.starting", url=self.url, reason=str(exc), poll_s=STARTING_POLL_S)
+                return
+            wait = self.down.failed(self.url, at_most=STARTING_POLL_S)  # still polled: a big
+            if not self.start_warned:  # model may take many minutes to load; said once, not each try
+                self.start_warned = True
+                self.log.warning(
+                    "engine.unreachable", url=self.url, reason=str(exc), waited_s=round(waited),
+                    retry_in_s=wait,
+                    fix="is the engine running? `systemctl status vllm`, `journalctl -u vllm`; "
+                    "does [engine] url name it?",
+                )  # fmt: skip
+            return
+        wait = self.down.failed(self.url)
         self.log.warning(
             "engine.unreachable" if isinstance(exc, EngineUnavailable) else "engine.error",
             url=self.url,

@@ -204,6 +204,7 @@ class Reloader:
             manifest = verdict.manifest
             assert manifest is not None
             version, size = manifest.version or order.base_name(name), verdict.bytes
+            step = manifest.step if manifest.step is not None else finished.gating.candidate.step
             self.log.info(
                 "checkpoint.ready",
                 name=name,
@@ -211,14 +212,15 @@ class Reloader:
                 bytes=size,
                 gate_ms=round(finished.seconds * 1000, 3),
                 cached_bytes=finished.gating.progress.cached,
+                host_scan=finished.gating.scans,
             )
             self.catalog.pending.pop(name, None)
             path, files = str(finished.gating.directory), dict(verdict.files)
             loading = Loaded(
-                name=name, version=version, path=path, since=0, step=manifest.step, files=files,
+                name=name, version=version, path=path, since=0, step=step, files=files,
                 fingerprint=verdict.fingerprint,
             )  # fmt: skip
-            candidate = order.Candidate(name, manifest.step, verdict.fingerprint)
+            candidate = order.Candidate(name, step, verdict.fingerprint)
             self.loads.ready = Ready(candidate, loading, size, host_scanned=finished.gating.scans)
 
     def reverified(self, result: Reverified) -> None:

@@ -72,6 +72,8 @@ class Snapshot:
     source_failing: Mapping[str, str] = field(default_factory=dict)
     pinned_rejected: str | None = None
     """Why the pinned content was rejected: it is not loaded while the pin holds."""
+    passed_over: Mapping[str, str] = field(default_factory=dict)
+    """Copied in while running, never loaded by itself (older than what serves): why, and the fix."""
     adapters: Mapping[str, Any] = field(default_factory=dict)
     """LoRA adapters by name (`service.adapters`)."""
 
@@ -99,6 +101,7 @@ def snapshot_of(
         engines=engines,
         last_scan=catalog.last_scan,
         pinned_rejected=catalog.rejection_of(catalog.pinned) if catalog.pinned else None,
+        passed_over=dict(sorted(catalog.passed_over.items())),
     )
 
 
@@ -130,6 +133,7 @@ def answer(snapshot: Snapshot) -> dict[str, Any]:
         "pinned_rejected": snapshot.pinned_rejected,
         "pending": dict(snapshot.pending),
         "rejected": {name: r.model_dump() for name, r in snapshot.rejected.items()},
+        "passed_over": dict(snapshot.passed_over),
         "engine": {key: first[key] for key in ("url", "reachable", "last_error", "retry_in_s")},
         "engines": [engine.answer() for engine in snapshot.engines],
     }
@@ -247,6 +251,9 @@ def render(answer: dict[str, Any]) -> str:
     lines.extend(f"  {name}: {reason}" for name, reason in pending.items())
     lines.append(f"rejected  {len(rejected)}")
     lines.extend(f"  {name}{_content(r)}: {r['reason']}" for name, r in rejected.items())
+    if passed := answer.get("passed_over", {}):
+        lines.append(f"passed over {len(passed)}")
+        lines.extend(f"  {name}: {why}" for name, why in passed.items())
     for name, found in (answer.get("adapters") or {}).items():
         held = ", ".join(f"{url}: {version or '-'}" for url, version in found["engines"].items())
         lines.append(
