@@ -263,3 +263,15 @@ def test_cli_control_commands_find_the_config_from_the_environment_without_flag(
     )
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1
     assert "missing.toml does not exist: pass --config FILE" in missing.stderr
+
+
+def test_cli_publish_of_a_truncated_shard_is_refused_naming_it_and_writes_nothing(tmp_path):
+    src = tmp_path / "out"
+    [shard, *_] = write_weights(src, shards=2)
+    whole = shard.stat().st_size
+    os.truncate(shard, whole - 100)
+    result = cli("publish", str(src), "--into", str(tmp_path / "root"), "--step", "3")
+    assert result.returncode == 1, result.stdout
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert f"{shard}: {whole - 100} bytes where its header says {whole}" in result.stderr
+    assert not (tmp_path / "root").exists(), "nothing written into the root"

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import blake3
 
-from ..checkpoint.files import is_top_level_shard
+from ..checkpoint.files import header_in, is_top_level_shard
 from ..checkpoint.manifest import MANIFEST_NAME, Manifest, ManifestFile, dumps, listed
 from ..durable import fsync_dir, write_synced
-from ..errors import PublishError
+from ..errors import LayoutUnreadable, PublishError
 
 COPY_CHUNK = 8 << 20
 KEPT_OPEN = 256
@@ -52,7 +52,28 @@ def source_files(src: Path) -> list[Path]:
             f"{src}: no .safetensors weights{found}, and the engine is reloaded from safetensors "
             "only: save with safetensors (save_pretrained(..., safe_serialization=True)) or convert them"
         )
+    for path in files:
+        if is_top_level_shard(path.relative_to(src).as_posix()):
+            _check_whole(path)
     return files
+
+
+def _check_whole(shard: Path) -> None:
+    """A shard shorter than its header says (a copy cut short, a save still running) would be
+    published and then rejected by every daemon's gate: refused here, before anything is written."""
+    try:
+        with shard.open("rb") as f:
+            size, whole = os.fstat(f.fileno()).st_size, header_in(f.fileno(), shard.name).whole_size
+    except (OSError, LayoutUnreadable) as exc:
+        reason = exc.strerror or str(exc) if isinstance(exc, OSError) else str(exc)
+        raise PublishError(
+            f"{shard}: not a whole safetensors file ({reason}); publish it once written"
+        ) from None
+    if size < whole:
+        raise PublishError(
+            f"{shard}: {size} bytes where its header says {whole}: cut short (a copy or save not "
+            "finished?); publish it once written"
+        )
 
 
 def _copy_and_hash(src: Path, dst: Path) -> tuple[str, int, int]:
