@@ -40,6 +40,17 @@ def test_canary_probe_fails_on_an_engine_error_or_garbage_weights():
     assert reason.startswith("prompt 0: /v1/completions: HTTP 500") and "worker died" in reason
 
 
+def test_canary_says_what_vllms_json_error_for_non_finite_logprobs_means():
+    """vLLM cannot encode an inf logprob and answers HTTP 400 with Python's JSON error."""
+    engine = FakeEngine()
+    message = "Out of range float values are not JSON compliant"
+    engine.fail["/v1/completions"] = lambda: httpx.Response(400, json={"error": {"message": message}})
+    found = canary.examine(engine.client(), CanaryConfig(prompts=("a",)))
+    assert found is not None and found.answered
+    assert found.reason.startswith("prompt 0: the weights produce non-finite logits (")
+    assert message in found.reason
+
+
 def test_canary_rejects_a_flat_output_distribution_at_every_step():
     """Weights scaled into overflow: the engine's answer is finite but uniform over the vocabulary."""
     flat = [[[-5.545, -5.545, -5.545]] * 2]

@@ -64,7 +64,8 @@ def test_daemon_rejects_checkpoint_whose_reload_fails_and_rolls_back(start, root
     make_checkpoint("step-2", step=2, root=root)
     failed = running.wait_for("reload.failed", version="step-2")
     assert failed["restored"] is True
-    running.wait_for("checkpoint.rejected", name="step-2")
+    rejected = running.wait_for("checkpoint.rejected", name="step-2")
+    assert rejected["fix"].startswith("fix it and publish") and "pin step-2 --force" in rejected["fix"]
     assert engine.version == "step-1" and not engine.paused
     time.sleep(0.3)
     assert engine.calls.count(f"reload:{root / 'step-2'}") == 1, "a rejected version is not retried"
@@ -288,8 +289,10 @@ def test_daemon_rolls_back_a_checkpoint_whose_canary_fails(start, root, tmp_path
     assert (
         rolled["to_version"] == "step-1" and rolled["cause"] == "canary" and "not finite" in rolled["reason"]
     )
+    assert "serves step-1 again" in rolled["fix"] and "publish a good one" in rolled["fix"]
     rejected = running.wait_for("checkpoint.rejected", name="step-2")
     assert rejected["check"] == "canary"
+    assert "pin step-2 --force" in rejected["fix"] and "diverged" in rejected["fix"]
     assert engine.version == "step-1" and engine.loaded == str(root / "step-1") and not engine.paused
     saved = state.load(tmp_path / "state")
     assert saved.serving is not None and saved.serving.version == "step-1"

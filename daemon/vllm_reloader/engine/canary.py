@@ -20,6 +20,8 @@ from ..config import CanaryConfig
 from ..errors import EngineCallFailed, EngineError
 from .client import EngineClient
 
+NON_FINITE_JSON = "Out of range float values are not JSON compliant"
+"""What vLLM answers (HTTP 400) when a logprob it would return is inf or NaN."""
 FLAT = 1e-6
 """Top logprobs closer than this at a step count as equal (a model's never are, at every step)."""
 
@@ -67,7 +69,8 @@ def examine(client: EngineClient, config: CanaryConfig, model: str | None = None
             )
         except EngineError as exc:  # an error answer (NaN made vLLM fail its JSON) blames the weights
             answered = isinstance(exc, EngineCallFailed) and exc.status not in (None, 429, 503)
-            return Finding(f"prompt {i}: {exc}", answered)
+            said = f"the weights produce non-finite logits ({exc})" if NON_FINITE_JSON in str(exc) else exc
+            return Finding(f"prompt {i}: {said}", answered)
         answers.append(values)
         tops.append(top)
     reason = judge(answers, config.min_mean_logprob, tops)

@@ -27,6 +27,19 @@ from .reconcile import version_of
 from .state import Loaded, Rejection
 
 
+def rejection_fix(check: str, name: str) -> str:
+    """What an operator does about a rejection, by the check that made it."""
+    again = f"`vllm-reloader pin {name} --force` judges the same bytes again"
+    if check == "layout":
+        return (
+            "it is not the model the engine serves: train from that model, or restart the engine "
+            f"on this one; {again}"
+        )
+    if check in ("canary", "probe", "finite"):
+        return f"the weights are broken (training diverged?): publish a good checkpoint; {again}"
+    return f"fix it and publish it again (new bytes or a new name); {again}"
+
+
 class Catalog:
     def __init__(
         self,
@@ -194,7 +207,8 @@ class Catalog:
             version=version, reason=reason, fingerprint=fingerprint, at=time.time(), earlier=earlier
         )
         self.rejected_view = _fingerprints(self.rejected)
-        return dict(name=name, version=version, fingerprint=fingerprint, reason=reason, **details)
+        fix = details.pop("fix", None) or rejection_fix(str(details.get("check", "")), base)
+        return dict(name=name, version=version, fingerprint=fingerprint, reason=reason, fix=fix, **details)
 
     def pin(self, name_or_version: str | None, *, force: bool = False) -> str | None:
         """An operator's pin (None: unpin), by directory name or version; returns an error. A

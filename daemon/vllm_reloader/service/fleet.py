@@ -17,7 +17,7 @@ from ..checkpoint import order
 from ..sources.verdicts import Verdict
 from .engine import Engine
 from .jobs import Job
-from .outcomes import Decision, Event
+from .outcomes import Decision, Event, rolled_back_fix
 from .state import Loaded
 
 FLEET_CHECK = "canary"
@@ -158,5 +158,6 @@ class Recalls:
             return decision
         _, version, reason, cause = rolling
         fields = {"version": version, "to_version": job.target.version, "cause": cause, "reason": reason}
+        fields["fix"] = rolled_back_fix(version, job.target.version)
         event = Event("warning", "reload.rolled_back", fields)
         return dataclasses.replace(decision, events=(*decision.events, event), rollback=cause)

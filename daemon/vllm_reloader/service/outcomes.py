@@ -80,6 +80,7 @@ def decide(outcome: Outcome, *, now: float) -> Decision:
         cause = "changed" if error.changed else "probe" if error.probed or error.unjudged else "reload"
         if rolled_back and job.fallback is not None:
             fields = {"version": version, "to_version": job.fallback.version, "cause": cause}
+            fields["fix"] = rolled_back_fix(version, job.fallback.version, blames=cause != "changed")
             events.append(Event("warning", "reload.rolled_back", fields))
         if error.changed:
             events.append(_changed(outcome, str(error), "after_load"))
@@ -157,6 +158,14 @@ def decide(outcome: Outcome, *, now: float) -> Decision:
     )
 
 
+def rolled_back_fix(version: str, to_version: str, *, blames: bool = True) -> str:
+    """What an operator does after a rollback: nothing for the engine (it serves good weights
+    again); the version itself, when it is to blame, is rejected."""
+    if not blames:
+        return f"nothing: it serves {to_version} again, and {version} is tried again once it settles"
+    return f"nothing for the engine (it serves {to_version} again); {version} is rejected: publish a good one"
+
+
 def _canary_failed(outcome: Outcome, events: list[Event], owed: bool, now: float) -> Decision:
     """Loaded, but the engine answered like broken weights: reject it; the reload thread has
     already loaded the fallback back when there was one."""
@@ -174,6 +183,7 @@ def _canary_failed(outcome: Outcome, events: list[Event], owed: bool, now: float
                     "cause": "canary",
                     "reason": reason,
                     "clean_after_probes": outcome.flush_probes or None,
+                    "fix": rolled_back_fix(version, job.fallback.version),
                 },
             )
         )
