@@ -297,6 +297,9 @@ def test_daemon_rolls_back_a_checkpoint_whose_canary_fails(start, root, tmp_path
     saved = state.load(tmp_path / "state")
     assert saved.serving is not None and saved.serving.version == "step-1"
     assert saved.rejected["step-2"].reason.startswith("canary: ")
+    shown = status.answer(running.daemon.snapshot())
+    assert shown["last_reload"]["version"] == "step-2" and shown["last_reload"]["rolled_back_to"] == "step-1"
+    assert "last      step-2 ROLLED BACK to step-1 (canary)" in status.render(shown)
     make_checkpoint("step-3", step=3, root=root, seed=3)
     running.wait_for("reload.succeeded", version="step-3")
     assert engine.calls.count(f"reload:{root / 'step-2'}") == 1, "a rejected version is not retried"

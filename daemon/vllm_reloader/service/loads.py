@@ -219,6 +219,11 @@ class Loads:
             served.resume_owed = True
         if decision.rollback:
             self.metrics.rollbacks.labels(cause=decision.rollback, **labels).inc()
+        if rolled := next((e.fields for e in decision.events if e.name == "reload.rolled_back"), None):
+            served.last_reload = {  # the last reload is this one, not the success before it
+                "version": rolled["version"], "at": time.time(),
+                "rolled_back_to": rolled["to_version"], "cause": rolled["cause"],
+            }  # fmt: skip
         if decision.regate is not None:  # a writer was at it: look again once it settles
             self.catalog.dirty.add(decision.regate)
         if decision.reloaded:

@@ -181,10 +181,15 @@ def _engine_line(engine: dict[str, Any]) -> str:
     content = f" ({engine['fingerprint'][:16]})" if engine.get("fingerprint") else ""
     line = f"  {engine['url']}  {engine['version']}{content}  {engine['state']}"
     if last := engine.get("last_reload"):
-        line += f"  last {last['version']} {_ago(last['at'])} ago"
+        line += f"  last {last['version']}{_rolled_back(last)} {_ago(last['at'])} ago"
     if engine.get("last_error"):
         line += f"  FAILED: {engine['last_error']}{_retry(engine)}"
     return line
+
+
+def _rolled_back(last: dict[str, Any]) -> str:
+    to = last.get("rolled_back_to")
+    return f" ROLLED BACK to {to} ({last.get('cause')})" if to else ""
 
 
 def _retry(engine: dict[str, Any]) -> str:
@@ -244,7 +249,9 @@ def render(answer: dict[str, Any]) -> str:
         )
         lines.append(f"gating    {gating['name']}: {read}")
     last = answer.get("last_reload")
-    if last:
+    if last and last.get("rolled_back_to"):
+        lines.append(f"last      {last['version']}{_rolled_back(last)}, {_ago(last['at'])} ago")
+    elif last:
         lines.append(f"last      {last['version']} in {last['duration_ms']:.0f} ms, {_ago(last['at'])} ago")
     pending, rejected = answer.get("pending", {}), answer.get("rejected", {})
     lines.append(f"pending   {len(pending)}")
