@@ -1,8 +1,10 @@
 """The gate for a LoRA adapter: each check refuses what vLLM would load and suffer from."""
 
+import dataclasses
 import json
 import re
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -63,11 +65,6 @@ def test_adapter_gate_never_runs_an_adapters_regex_but_still_checks_its_modules(
             "modules",
             "not a LoRA",
         ),
-        (
-            {"config": {"base_model_name_or_path": "org/another-model"}},
-            "base_model",
-            "the engine serves 'org/tiny-llama'",
-        ),
         ({"config": {"peft_type": "IA3"}}, "config", "not LORA"),
         ({"config": {"r": 0}}, "config", "r must be a positive integer"),
         ({"config": {"use_dora": True}}, "config", "DoRA is set"),
@@ -94,9 +91,39 @@ def test_adapter_gate_rejects_a_missing_half(tmp_path):
     assert verdict.check == "modules" and "lora_B is missing" in verdict.reason
 
 
-def test_adapter_gate_accepts_the_same_base_model_named_by_another_path(tmp_path):
-    named = write_adapter(tmp_path / "v", config={"base_model_name_or_path": "/models/Tiny-Llama/"})
-    assert adapter.check(named, SERVED).status == "ready"
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8, "vocab_size": 16}
+
+
+@pytest.mark.parametrize(
+    "trained_on",
+    ["org/another-name", "models/base", "/models/not-here", "/same-weights-elsewhere", "/a\0b"],
+)
+def test_adapter_gate_judges_the_base_model_by_weights_not_by_the_name_peft_recorded(tmp_path, trained_on):
+    """The engine serves the published copy (`.../checkpoints/step-0`); PEFT recorded the hub id,
+    a relative path or another copy of the same model the trainer loaded."""
+    served_dir = tmp_path / "checkpoints" / "step-0"
+    served_dir.mkdir(parents=True)
+    (served_dir / "config.json").write_text(json.dumps(LLAMA))
+    if trained_on == "/same-weights-elsewhere":
+        trained_on = str(tmp_path / "models" / "base")
+        Path(trained_on).mkdir(parents=True)
+        (Path(trained_on) / "config.json").write_text(json.dumps(LLAMA))
+    served = dataclasses.replace(SERVED, model=str(served_dir))
+    named = write_adapter(tmp_path / "v", config={"base_model_name_or_path": trained_on})
+    assert adapter.check(named, served).status == "ready"
+
+
+def test_adapter_gate_rejects_a_base_model_whose_config_is_another_model(tmp_path):
+    served_dir, other = tmp_path / "checkpoints" / "step-0", tmp_path / "models" / "big"
+    for directory, config in ((served_dir, LLAMA), (other, {**LLAMA, "hidden_size": 4096})):
+        directory.mkdir(parents=True)
+        (directory / "config.json").write_text(json.dumps(config))
+    served = dataclasses.replace(SERVED, model=str(served_dir))
+    trained = write_adapter(tmp_path / "v", config={"base_model_name_or_path": str(other)})
+    verdict = adapter.check(trained, served)
+    assert (verdict.status, verdict.check) == ("rejected", "base_model")
+    assert "whose hidden_size is 4096" in verdict.reason and "is 8" in verdict.reason
+    assert "train it on the served model, or serve the model it was trained on" in verdict.reason
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])

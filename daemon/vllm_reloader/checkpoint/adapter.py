@@ -8,7 +8,8 @@ the other adapters' included (vLLM 0.32, CPU). So nothing loads on a guess:
 - `adapter_config.json` read within bounds (size, nesting) and checked as vLLM's
   `PEFTHelper` would take it (LoRA only; no DoRA, bias or `modules_to_save`; `lora_alpha`
   given): `r` (per module with `rank_pattern`) at most the engine's `--max-lora-rank`;
-  `base_model_name_or_path` matching the model served, when both are known. A
+  `base_model_name_or_path` not positively another model (`other_model`: names are not
+  compared; where both are local directories, their config.json's architecture and sizes). A
   `target_modules` list must name the adapted modules (a regex is the writer's own: an
   adapter's pattern is never run here).
 - `adapter_model.safetensors` whole (its header accounts for the file, as safetensors
@@ -50,6 +51,7 @@ from .files import (
     parse_json,
     read_exactly,
     read_header,
+    read_small,
     read_small_at,
     reader,
 )
@@ -246,10 +248,8 @@ def _check(directory: Path, served: Served, now: float, grace: float) -> Adapter
         return _rejected(
             "rank", f"r = {max(ranks)} is over the engine's max LoRA rank {served.max_rank} (--max-lora-rank)"
         )
-    if served.model and config.base_model and _model_name(config.base_model) != _model_name(served.model):
-        return _rejected(
-            "base_model", f"trained on {config.base_model[:200]!r}, the engine serves {served.model[:200]!r}"
-        )
+    if served.model and config.base_model and (other := other_model(config.base_model, served.model)):
+        return _rejected("base_model", other)
     fd = open_regular(directory / WEIGHTS_NAME)
     try:
         found = identity(os.fstat(fd))
@@ -302,9 +302,42 @@ def _weights(fd: int, header: Header, config: Config, served: Served) -> Adapter
     return AdapterVerdict("ready", modules=len(pairs))
 
 
-def _model_name(name: str) -> str:
-    """`meta-llama/Llama-3-8B` and `/models/Llama-3-8B/` name the same model."""
-    return name.rstrip("/").rsplit("/", 1)[-1].lower()
+MODEL_KEYS = (
+    "architectures", "model_type", "hidden_size", "num_hidden_layers", "intermediate_size",
+    "num_attention_heads", "num_key_value_heads", "vocab_size",
+)  # fmt: skip
+"""What makes two config.json files the same model to an adapter (its weights' shapes)."""
+
+
+def other_model(base_model: str, served_model: str) -> str | None:
+    """Why the adapter's `base_model_name_or_path` positively names another model than the one
+    served, or None. Names are not compared: the engine serves a published copy (`.../step-0`)
+    while PEFT recorded the path or hub id the trainer loaded. Where both are local directories
+    with a config.json, their architecture and sizes are; otherwise the weight shapes decide
+    (checked next, against the served model's own)."""
+    mine, served = _model_config(base_model), _model_config(served_model)
+    if mine is None or served is None:
+        return None
+    for key in MODEL_KEYS:
+        if key in mine and key in served and mine[key] != served[key]:
+            return (
+                f"trained on {base_model[:200]!r}, whose {key} is {repr(mine[key])[:100]}, where the "
+                f"served model's ({served_model[:200]!r}) is {repr(served[key])[:100]}: train it on the "
+                "served model, or serve the model it was trained on"
+            )
+    return None
+
+
+def _model_config(name: str) -> dict[str, object] | None:
+    """The config.json of a model named by an absolute local path (a hub id or a relative path,
+    relative to some trainer's directory, names nothing here)."""
+    if not Path(name).is_absolute():
+        return None
+    try:
+        found = parse_json(read_small(Path(name) / "config.json", MAX_CONFIG_BYTES))
+    except (OSError, ValueError):  # not there, not readable, not JSON, a NUL in the name
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def _pairs(tensors: list[Tensor]) -> dict[str, tuple[Tensor, Tensor]] | AdapterVerdict:
