@@ -39,10 +39,19 @@ def test_demo_with_engine_url_reloads_the_users_engine_and_leaves_it_running(tmp
         assert "reload.succeeded" in out
         assert "answer changed: False" in out  # its own weights, republished
         assert engine.healthy() and not engine.is_paused()
-        assert engine.weight_version().startswith("demo-")
+        assert engine.weight_version() == "default", "named as it started: the same bytes"
+        assert "weight version is 'default' again" in out
         assert engine.complete() == before
-        first = engine.weight_version()
-        run_demo("--engine-url", engine.url)  # again: the version left by the first run is no obstacle
-        assert engine.weight_version() not in ("default", first)
+        run_demo("--engine-url", engine.url)  # again: nothing the first run left is an obstacle
+        assert engine.weight_version() == "default" and engine.complete() == before
+        engine.http.post("/update_weight_version", json={"new_version": "step-7"}).raise_for_status()
+        refused = subprocess.run(
+            [sys.executable, "-m", "vllm_reloader", "demo", "--engine-url", engine.url],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert refused.returncode != 0 and "Traceback" not in refused.stderr
+        assert "serves 'step-7', not the weights it started with" in refused.stderr
+        assert "run the demo without --engine-url" in refused.stderr
+        assert engine.weight_version() == "step-7" and not engine.is_paused(), "nothing touched"
     finally:
         engine.stop()

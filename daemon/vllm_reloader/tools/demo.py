@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from ..engine.client import EXTENSION
+from ..engine.client import EXTENSION, STARTUP_VERSION
 from ..errors import DemoError
 from .publish import publish
 
@@ -112,6 +112,14 @@ def _complete(url: str, model: str) -> str:
     response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     response.raise_for_status()
     return str(response.json()["choices"][0]["text"])
+
+
+def _weight_version(url: str) -> str:
+    return str(httpx.get(f"{url}/weight_info", timeout=10).json()["weight_version"])
+
+
+def _set_weight_version(url: str, version: str) -> None:
+    httpx.post(f"{url}/update_weight_version", json={"new_version": version}, timeout=30).raise_for_status()
 
 
 def _served_model(url: str) -> tuple[str, Path]:
@@ -249,12 +257,23 @@ def _engine(
         url = engine_url.rstrip("/")
         _wait_healthy(url, None, None, timeout=10)
         model, startup = _served_model(url)
+        version = _weight_version(url)
+        if version != STARTUP_VERSION and not version.startswith("demo-"):
+            raise DemoError(
+                f"the engine at {url} serves {version!r}, not the weights it started with: the demo "
+                "republishes those, which would roll it back; run the demo without --engine-url "
+                "(it starts its own engine)"
+            )
         if not (startup / "config.json").exists():
             raise DemoError(f"{startup}: the engine's model is not a local directory the demo can copy")
         # Its own weights under a new version: the reload is real, the answer stays the same.
         shutil.copytree(startup, staging / "next", ignore=shutil.ignore_patterns("manifest.json"))
         _say(f"using the engine at {url} (model {startup}); republishing its own weights")
-        yield url, model, None, staging / "next"
+        try:
+            yield url, model, None, staging / "next"
+        finally:  # the same bytes as it started with: named as before (the demo's copy goes)
+            _set_weight_version(url, version)
+            _say(f"the engine's weight version is {version!r} again")
         return
     _say("writing two tiny random Llama checkpoints")
     write_checkpoint(staging / "seed-1", seed=1)
