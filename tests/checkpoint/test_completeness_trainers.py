@@ -225,3 +225,11 @@ def test_a_tracker_that_is_not_a_small_regular_file_names_nothing_and_stops_noth
 )
 def test_trainer_step_reads_global_step_then_the_name(name: str, state: bytes, step: int | None):
     assert conventions.trainer_step(name, state) == step
+
+
+@pytest.mark.parametrize("names", [[], ["config.json"], ["config.json", "generation_config.json"]])
+def test_waiting_reason_of_a_save_just_begun_asks_whether_it_is_still_written_before_advising_publish(names):
+    """A Trainer's save starts as an empty directory, then config.json: not told to publish it."""
+    reason = conventions.waiting_reason(names)
+    assert "still being written?" in reason
+    assert reason.index("still being written?") < reason.index("vllm-reloader publish")

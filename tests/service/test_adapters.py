@@ -167,7 +167,9 @@ def test_adapters_a_content_whose_canary_failed_is_not_loaded_after_a_restart(tm
         restarted.found(bad)
         tick(restarted, [engine_after])
     assert engine_after.client.calls == []
-    assert [e["check"] for e in logs if e["event"] == "adapter.rejected"] == ["canary"]
+    said = [e for e in logs if e["event"] == "adapter.rejected"]
+    assert [(e["check"], e["log_level"]) for e in said] == [("canary", "info")], "warned once only"
+    assert said[0]["reason"].startswith("rejected before: ")
 
 
 def test_adapters_never_load_an_older_version_by_themselves(tmp_path):

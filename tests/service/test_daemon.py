@@ -207,6 +207,8 @@ def test_daemon_by_default_serves_an_hf_checkpoint_copied_in_and_says_what_one_w
     running.wait_for("engine.reconciled", version="checkpoint-100")
     write_weights(root / "checkpoint-150", seed=1)  # cp -r of a save_pretrained directory
     running.wait_for("reload.succeeded", version="checkpoint-150")
+    seen = [(e["name"], e["log_level"]) for e in running.events("checkpoint.seen")]
+    assert seen == [("checkpoint-100", "debug"), ("checkpoint-150", "info")], "at start: not one line each"
     target = root / "checkpoint-200"
     shards = write_weights(target, seed=2, shards=2)
     waiting = running.wait_for("checkpoint.pending", name="checkpoint-200")

@@ -251,7 +251,7 @@ def waiting_reason(names: Collection[str]) -> str:
             "no .safetensors weights (.bin/.pt only): save with safetensors "
             "(save_pretrained(..., safe_serialization=True)) or convert them"
         )
-    return (
-        f"no {MANIFEST_NAME}, {INDEX_NAME}, {SINGLE_NAME} or completion marker yet: "
-        "publish it with `vllm-reloader publish`"
+    return (  # a trainer's save begins so too: not told to publish what it is still writing
+        f"no {MANIFEST_NAME}, {INDEX_NAME}, {SINGLE_NAME} or completion marker yet (still being "
+        "written?); a checkpoint written another way: publish it with `vllm-reloader publish`"
     )

@@ -140,9 +140,9 @@ class Adapters:
             self._reject(message.adapter, message.version, verdict.check, verdict.reason)
             return
         facts.versions[copy.path] = copy
-        if copy.fingerprint in facts.rejected:
+        if copy.fingerprint in facts.rejected:  # said when it was: at each restart, not again
             reason = facts.rejected.reasons[copy.fingerprint]
-            self._reject(message.adapter, message.version, "canary", f"rejected before: {reason}")
+            self._reject(message.adapter, message.version, "canary", f"rejected before: {reason}", again=True)
             return
         if state.newest is not None and message.order <= state.newest.order:
             return  # never backwards by itself
@@ -152,10 +152,15 @@ class Adapters:
             fingerprint=copy.fingerprint, rank=verdict.rank, modules=verdict.modules, bytes=copy.size,
         )  # fmt: skip
 
-    def _reject(self, name: str, version: str, check: str, reason: str) -> None:
+    def _reject(self, name: str, version: str, check: str, reason: str, *, again: bool = False) -> None:
         state = self.facts.known.setdefault(name, Adapter())
+        said = version in state.rejected
         state.rejected = dict(list({**state.rejected, version: reason}.items())[-20:])
-        self.metrics.adapter_rejected.labels(adapter=name, check=check or "unknown").inc()
+        if again:  # a content rejected before (the record store says so): warned then, not at restarts
+            self.log.info("adapter.rejected", adapter=name, version=version, check=check, reason=reason)
+            return
+        if not said:
+            self.metrics.adapter_rejected.labels(adapter=name, check=check or "unknown").inc()
         self.log.warning("adapter.rejected", adapter=name, version=version, check=check, reason=reason)
 
     # -- the loop's turn ---------------------------------------------------------------------

@@ -96,9 +96,11 @@ class Catalog:
                 self.forget(name)
                 continue
             if name not in self.candidates:
-                self.log.info("checkpoint.seen", name=name, path=str(directory))
-                if self.last_scan:
+                if self.last_scan:  # arrived while running
+                    self.log.info("checkpoint.seen", name=name, path=str(directory))
                     self.arrived.add(name)
+                else:  # the first listing: one line per folder at every start is noise
+                    self.log.debug("checkpoint.seen", name=name, path=str(directory))
             self.candidates[name] = _peek(name, directory, self.convention)
 
     def forget(self, name: str) -> None:
