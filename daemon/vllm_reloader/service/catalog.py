@@ -63,6 +63,9 @@ class Catalog:
         self.recheck_at: dict[str, float] = {}
         """Pending candidates are gated again only from then on (or once something changes)."""
         self.last_scan = 0.0
+        self.watching_since = time.time()
+        """Since when a new checkpoint is loaded as soon as it is found (start, or the last
+        unpin): one whole before then waited for no detection (`detection_lag_ms`)."""
         self.skipped: set[str] = set()
         """Names that can never be candidates, warned about once."""
         self.arrived: set[str] = set()
@@ -219,7 +222,7 @@ class Catalog:
         check judge it again (and it is rejected again if it fails again)."""
         if name_or_version is None:
             self.log.info("control.unpinned", name=self.pinned)
-            self.pinned = None
+            self.pinned, self.watching_since = None, time.time()
             return None
         matches = self.find(name_or_version)
         if not matches:
@@ -339,10 +342,11 @@ def _peek(name: str, directory: Path, convention: Convention) -> order.Candidate
         return order.Candidate(name, None, "")
 
 
-def detection_lag_ms(directory: Path) -> float | None:
-    """Manifest written → now: how long detection took (None: no manifest)."""
+def detection_lag_ms(directory: Path, since: float = 0.0) -> float | None:
+    """Manifest written → now: how long detection took (None: no manifest, or written before
+    `since`, when nothing was watching for it: a start, a pin held)."""
     try:
         mtime = os.stat(directory / MANIFEST_NAME).st_mtime
     except OSError:
         return None
-    return round((time.time() - mtime) * 1000, 3)
+    return round((time.time() - mtime) * 1000, 3) if mtime >= since else None

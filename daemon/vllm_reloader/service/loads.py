@@ -123,7 +123,7 @@ class Loads:
         served before, or the canary engine serves, was scanned."""
         fallback = self.rollback_target(engine, skip=candidate.name)
         found = bool(candidate.fingerprint) and candidate.name != self.catalog.pinned
-        lag_ms = detection_lag_ms(Path(loading.path)) if found else None
+        lag_ms = detection_lag_ms(Path(loading.path), self.catalog.watching_since) if found else None
         if lag_ms is not None:
             self.metrics.detection_lag.observe(lag_ms / 1000)
         served, config = engine.served, self.config
