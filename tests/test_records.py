@@ -163,3 +163,23 @@ def test_records_a_commit_the_disk_refuses_loses_no_verdict_and_writes_the_facts
     monkeypatch.undo()
     facts.save(rejected)  # the same facts again: not taken as saved
     assert StateRecords(records, structlog.get_logger()).saved == rejected
+
+
+def test_records_moved_to_the_same_dir_by_a_symlink_keep_everything_and_the_lock(tmp_path):
+    """A SIGHUP naming the state dir by another path: nothing copied onto itself, and the lock
+    (the process's) still held, so a second daemon is still refused."""
+    import subprocess
+    import sys
+
+    records = open_records(tmp_path / "a")
+    records.put("rejected", "step-3", {"reason": "x"})
+    (tmp_path / "alias").symlink_to(tmp_path / "a")
+    records.move_to(tmp_path / "alias")
+    assert set(records.all("rejected")) == {"step-3"}
+    probe = (
+        "import sys; from pathlib import Path; from vllm_reloader.records import take_lock; "
+        "take_lock(Path(sys.argv[1]))"
+    )
+    other = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "a")], capture_output=True, text=True)
+    assert other.returncode != 0 and "AlreadyRunning" in other.stderr, other.stderr
+    records.close()

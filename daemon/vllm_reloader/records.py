@@ -170,7 +170,12 @@ class RecordStore:
 
     def move_to(self, directory: Path) -> None:
         """A SIGHUP's new `state.dir`: everything held here is written there (what was there is
-        replaced), and the store lives there from now on. `StateError`: it stays here."""
+        replaced), and the store lives there from now on. `StateError`: it stays here. The same
+        directory by another path (a symlink) is no move: its lock is this process's already,
+        and closing the old descriptor would drop it."""
+        with contextlib.suppress(OSError):
+            if os.path.samefile(directory, self.path.parent):
+                return
         try:
             new = RecordStore.open(directory, self.log)
         except AlreadyRunning as exc:

@@ -29,7 +29,7 @@ class Policy:
 
     def wait(self, failures: int) -> float:
         """The wait after the `failures`-th failure in a row (1: the first)."""
-        base = min(self.cap, self.initial * 2 ** max(0, failures - 1))
+        base = min(self.cap, self.initial * 2 ** min(max(0, failures - 1), 62))  # no float overflow
         spread = base * self.jitter * (2 * random.random() - 1) if self.jitter else 0.0
         return float(round(max(0.0, min(self.cap, base + spread)), 3))
 

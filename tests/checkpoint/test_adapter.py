@@ -96,7 +96,14 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
 
 @pytest.mark.parametrize(
     "trained_on",
-    ["org/another-name", "models/base", "/models/not-here", "/same-weights-elsewhere", "/a\0b"],
+    [
+        "org/another-name",
+        "models/base",
+        "/models/not-here",
+        "/same-weights-elsewhere",
+        "/a\0b",
+        "/another-model-outside-the-root",
+    ],
 )
 def test_adapter_gate_judges_the_base_model_by_weights_not_by_the_name_peft_recorded(tmp_path, trained_on):
     """The engine serves the published copy (`.../checkpoints/step-0`); PEFT recorded the hub id,
@@ -104,17 +111,21 @@ def test_adapter_gate_judges_the_base_model_by_weights_not_by_the_name_peft_reco
     served_dir = tmp_path / "checkpoints" / "step-0"
     served_dir.mkdir(parents=True)
     (served_dir / "config.json").write_text(json.dumps(LLAMA))
-    if trained_on == "/same-weights-elsewhere":
-        trained_on = str(tmp_path / "models" / "base")
+    if trained_on == "/same-weights-elsewhere":  # beside it: opened, and the same model
+        trained_on = str(tmp_path / "checkpoints" / "base")
         Path(trained_on).mkdir(parents=True)
         (Path(trained_on) / "config.json").write_text(json.dumps(LLAMA))
+    if trained_on == "/another-model-outside-the-root":  # never opened: the shapes decide
+        trained_on = str(tmp_path / "elsewhere" / "big")
+        Path(trained_on).mkdir(parents=True)
+        (Path(trained_on) / "config.json").write_text(json.dumps({**LLAMA, "hidden_size": 4096}))
     served = dataclasses.replace(SERVED, model=str(served_dir))
     named = write_adapter(tmp_path / "v", config={"base_model_name_or_path": trained_on})
     assert adapter.check(named, served).status == "ready"
 
 
 def test_adapter_gate_rejects_a_base_model_whose_config_is_another_model(tmp_path):
-    served_dir, other = tmp_path / "checkpoints" / "step-0", tmp_path / "models" / "big"
+    served_dir, other = tmp_path / "checkpoints" / "step-0", tmp_path / "checkpoints" / "big-model"
     for directory, config in ((served_dir, LLAMA), (other, {**LLAMA, "hidden_size": 4096})):
         directory.mkdir(parents=True)
         (directory / "config.json").write_text(json.dumps(config))

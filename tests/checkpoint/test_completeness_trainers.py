@@ -212,7 +212,10 @@ def test_a_tracker_that_is_not_a_small_regular_file_names_nothing_and_stops_noth
         ("checkpoint-200", b"", 200),
         ("step-7", b"", 7),
         ("global_step300", b"", 300),
-        ("checkpoint-200", b'{"global_step": 250}', 250),  # Trainer's own count wins
+        ("checkpoint-200", b'{"global_step": 250}', 200),  # the name (Trainer's): no file read
+        ("checkpoint-" + "9" * 30, b"", None),  # beyond any manifest step: no step
+        ("final", b"[" * 100_000, None),  # nested past the parser
+        ("final", b'{"global_step": 1e3}', None),
         ("final", b'{"global_step": 9}', 9),
         ("final", b"", None),  # save_model's output: no step anywhere
         ("model-v2", b"", None),  # a number that is not a step

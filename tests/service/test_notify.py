@@ -71,3 +71,8 @@ def test_notify_never_blocks_when_the_reader_lags(listener):
     notifier = Notifier(address)
     results = [notifier.status(f"line {i}") for i in range(500)]  # nobody reads: queue fills
     assert results[0] is True and results[-1] is False
+
+
+def test_notify_to_a_socket_that_is_not_there_is_not_worth_sending_again(tmp_path):
+    """Retried every half second forever, it would keep the loop turning for nothing."""
+    assert Notifier(str(tmp_path / "gone.sock")).status("serving step-1") is True

@@ -41,3 +41,30 @@ def test_reconcile_without_a_record_maps_a_converted_version_to_the_output_not_t
     for listed in (candidates, reordered):
         found = reconcile.serving("step-2", "", known=None, root=tmp_path, candidates=listed)
         assert found.name == order.placed_name("step-2", "c" * 64)
+
+
+def test_reconcile_a_record_from_before_trainer_steps_takes_its_candidates_step_so_nothing_older_is_newer(
+    tmp_path,
+):
+    """An upgrade: the record names checkpoint-500 with no step; the root's candidates now carry
+    their trainer's steps. Without its step, checkpoint-100 would sort above what serves, and
+    the same bytes of checkpoint-500 would be reloaded."""
+    from vllm_reloader.service.served import serving_of
+
+    candidates = {
+        "checkpoint-500": order.Candidate("checkpoint-500", 500, "f" * 64),
+        "checkpoint-100": order.Candidate("checkpoint-100", 100, "e" * 64),
+    }
+    known = Loaded(
+        name="checkpoint-500", version="checkpoint-500", path=str(tmp_path / "checkpoint-500"), since=1.0,
+        fingerprint="f" * 64,
+    )  # fmt: skip
+    found = reconcile.serving("checkpoint-500", "", known=known, root=tmp_path, candidates=candidates)
+    assert found.step == 500
+    newer = order.to_try(candidates, serving=serving_of(found), rejected={})
+    assert newer == [], "neither an older checkpoint nor the same bytes"
+    other = known.model_copy(update={"fingerprint": "a" * 64})  # rewritten since: its name's step
+    kept = reconcile.serving("checkpoint-500", "", known=other, root=tmp_path, candidates=candidates)
+    assert kept.step == 500
+    final = known.model_copy(update={"name": "final", "version": "final"})  # no step anywhere
+    assert reconcile.serving("final", "", known=final, root=tmp_path, candidates=candidates).step is None

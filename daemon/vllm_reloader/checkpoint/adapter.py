@@ -312,9 +312,11 @@ MODEL_KEYS = (
 def other_model(base_model: str, served_model: str) -> str | None:
     """Why the adapter's `base_model_name_or_path` positively names another model than the one
     served, or None. Names are not compared: the engine serves a published copy (`.../step-0`)
-    while PEFT recorded the path or hub id the trainer loaded. Where both are local directories
-    with a config.json, their architecture and sizes are; otherwise the weight shapes decide
-    (checked next, against the served model's own)."""
+    while PEFT recorded the path or hub id the trainer loaded. Where it names a directory beside
+    the served one (`_beside`), both config.json's architecture and sizes are; otherwise the
+    weight shapes decide (checked next, against the served model's own)."""
+    if not _beside(base_model, served_model):
+        return None
     mine, served = _model_config(base_model), _model_config(served_model)
     if mine is None or served is None:
         return None
@@ -326,6 +328,15 @@ def other_model(base_model: str, served_model: str) -> str | None:
                 "served model, or serve the model it was trained on"
             )
     return None
+
+
+def _beside(base_model: str, served_model: str) -> bool:
+    """Whether the adapter names a directory beside the served model (in the same root): only
+    those are opened. Another absolute path is a writer's to choose (an automounted share, a
+    hung NFS mount) and may hold another model on the trainer's host than on this one."""
+    root = os.path.dirname(os.path.normpath(served_model))
+    named = os.path.normpath(base_model)
+    return root not in ("", "/") and os.path.dirname(named) == root
 
 
 def _model_config(name: str) -> dict[str, object] | None:

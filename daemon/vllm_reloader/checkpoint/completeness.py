@@ -42,7 +42,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal, Protocol
 
-from ..errors import LayoutUnreadable, ManifestInvalid, NotJSONYet
+from ..errors import LayoutUnreadable, ManifestInvalid, NotJSONYet, ReloaderError
 from . import order
 from .conventions import (
     CONTENT_METADATA,
@@ -52,6 +52,7 @@ from .conventions import (
     Convention,
     Foreign,
     foreign,
+    name_says_step,
     name_step,
     resolved,
     signal_name,
@@ -187,12 +188,17 @@ def candidate(name: str, listing: Listing, convention: Convention) -> order.Cand
 
 
 def _trainer_step(name: str, listing: Listing) -> int | None:
-    """A checkpoint a trainer wrote straight into the root: its own step (`trainer_step`)."""
+    """A checkpoint a trainer wrote straight into the root: its own step (`trainer_step`). Its
+    trainer_state.json (up to MAX_LISTING_BYTES, on a store a GET) is read only when the name
+    says no step: every rescan asks again."""
+    base = order.base_name(name)
+    if (named := name_says_step(base)) is not None:
+        return named
     try:
         state = listing.whole(TRAINER_STATE) if TRAINER_STATE in listing.top() else b""
-    except OSError:
+    except (OSError, ReloaderError):  # gone, too big, a store that failed: no step from it
         state = b""
-    return trainer_step(order.base_name(name), state)
+    return trainer_step(base, state)
 
 
 def describe(listing: Listing, convention: Convention, now: float) -> Listed | Incomplete:

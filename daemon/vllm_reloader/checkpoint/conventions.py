@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from .files import INDEX_NAME, SINGLE_NAME, WEIGHT_SUFFIX, is_top_level_shard
-from .manifest import MANIFEST_NAME
+from .manifest import MANIFEST_NAME, MAX_STEP
 
 Mode = Literal["auto", "manifest", "hf-index", "marker"]
 # Besides the weights, the small files a serving directory needs (config, tokenizer, chat
@@ -133,19 +133,26 @@ def name_step(name: str) -> int | None:
 _STEP_NAME = re.compile(r"(?:checkpoint|step|global_step|iter)[-_]?(\d+)", re.IGNORECASE)
 
 
+def name_says_step(name: str) -> int | None:
+    """The step a `checkpoint-N` / `step-N` / `global_stepN` / `iter_N` name says (Trainer
+    names its checkpoints after `global_step`), at most the manifest's bound."""
+    named = _STEP_NAME.fullmatch(name)
+    return int(named[1]) if named and len(named[1]) <= 16 and int(named[1]) <= MAX_STEP else None
+
+
 def trainer_step(name: str, trainer_state: bytes) -> int | None:
-    """The step a trainer gave a servable checkpoint with no manifest of ours: Trainer's
-    `global_step` in trainer_state.json, else the number a `checkpoint-N` / `step-N` name
-    ends in. None when neither says (a `save_model` output): it orders by arrival."""
+    """The step a trainer gave a servable checkpoint with no manifest of ours: the number a
+    `checkpoint-N` / `step-N` name ends in, else Trainer's `global_step` in
+    trainer_state.json (`b""`: none). None when neither says (a `save_model` output): it
+    orders by name, before every stepped version."""
+    if (named := name_says_step(name)) is not None:
+        return named
     try:
         found = json.loads(trainer_state) if trainer_state else None
-    except (ValueError, RecursionError):  # half written, or hostile: the name may still say
+    except (ValueError, RecursionError):  # half written, or hostile
         found = None
     step = found.get("global_step") if isinstance(found, dict) else None
-    if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 2**63:
-        return step
-    named = _STEP_NAME.fullmatch(name)
-    return int(named[1]) if named else None
+    return step if isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= MAX_STEP else None
 
 
 _ITERATION = re.compile(r"iter_0*(\d+)")

@@ -80,7 +80,7 @@ def aligned(size: int) -> mmap.mmap:
     """A page-aligned read buffer. A bytearray's bytes may start 8 or 16 bytes off a 32-byte
     boundary, and reading into such a buffer took the kernel's copy and blake3 about twice
     the CPU here for the same bytes (which a daemon hit and a benchmark, by luck, did not)."""
-    return mmap.mmap(-1, size)
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # not shmem
 
 
 def _buffer(size: int) -> Buffer:

@@ -219,17 +219,17 @@ class Loads:
             served.resume_owed = True
         if decision.rollback:
             self.metrics.rollbacks.labels(cause=decision.rollback, **labels).inc()
-        if rolled := next((e.fields for e in decision.events if e.name == "reload.rolled_back"), None):
-            served.last_reload = {  # the last reload is this one, not the success before it
-                "version": rolled["version"], "at": time.time(),
-                "rolled_back_to": rolled["to_version"], "cause": rolled["cause"],
-            }  # fmt: skip
         if decision.regate is not None:  # a writer was at it: look again once it settles
             self.catalog.dirty.add(decision.regate)
         if decision.reloaded:
             self.metrics.reload_seconds.labels(**labels).observe(decision.reloaded["seconds"])
             self.metrics.bytes_reloaded.labels(**labels).inc(decision.reloaded["bytes"])
             served.last_reload = {k: decision.reloaded[k] for k in ("version", "duration_ms", "at")}
+        if rolled := next((e.fields for e in decision.events if e.name == "reload.rolled_back"), None):
+            served.last_reload = {  # the last reload is this one, not the success before it
+                "version": rolled["version"], "at": time.time(),
+                "rolled_back_to": rolled["to_version"], "cause": rolled["cause"],
+            }  # fmt: skip
         with self.book.records.transaction("serving"):  # the decision and the fleet's verdict, together
             if decision.set_serving:
                 self.set_serving(engine, decision.serving, good=decision.last_good)

@@ -7,6 +7,7 @@ that variable (not under systemd) every call does nothing.
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import time
@@ -27,7 +28,9 @@ class Notifier:
         return bool(self.address)
 
     def send(self, *fields: str) -> bool:
-        """Send `KEY=value` lines in one datagram; False when not under systemd or it failed."""
+        """Send `KEY=value` lines in one datagram; False when not under systemd or when systemd
+        did not take it now (its queue full: worth sending again). A socket that is not there
+        or refuses is no reason to send again: True."""
         if not self.address:
             return False
         # Non-blocking: a unix datagram socket whose reader lags blocks the sender once its
@@ -37,8 +40,8 @@ class Notifier:
         ) as sock:
             try:
                 sock.sendto("\n".join(fields).encode(), self.address)
-            except OSError:
-                return False
+            except OSError as exc:  # systemd's queue full: again soon; no such socket, refused:
+                return exc.errno not in (errno.EAGAIN, errno.ENOBUFS, errno.EINTR)  # again helps nothing
         return True
 
     def ready(self, status: str | None = None) -> bool:

@@ -78,9 +78,10 @@ def decide(outcome: Outcome, *, now: float) -> Decision:
         events.append(Event("error", "reload.failed", failed))
         rolled_back = error.restored and job.fallback is not None
         cause = "changed" if error.changed else "probe" if error.probed or error.unjudged else "reload"
+        blamed = error.engine_up and not _not_blamed(error)
         if rolled_back and job.fallback is not None:
             fields = {"version": version, "to_version": job.fallback.version, "cause": cause}
-            fields["fix"] = rolled_back_fix(version, job.fallback.version, blames=cause != "changed")
+            fields["fix"] = rolled_back_fix(version, job.fallback.version, blames=blamed)
             events.append(Event("warning", "reload.rolled_back", fields))
         if error.changed:
             events.append(_changed(outcome, str(error), "after_load"))
@@ -100,7 +101,7 @@ def decide(outcome: Outcome, *, now: float) -> Decision:
             tuple(events),
             owed,
             rollback=cause if rolled_back else None,
-            reject=None if not error.engine_up or _not_blamed(error) else blame,
+            reject=blame if blamed else None,
             serving=back,
             set_serving=back is not None,
             engine_down=None if error.restored else error,
@@ -162,7 +163,7 @@ def rolled_back_fix(version: str, to_version: str, *, blames: bool = True) -> st
     """What an operator does after a rollback: nothing for the engine (it serves good weights
     again); the version itself, when it is to blame, is rejected."""
     if not blames:
-        return f"nothing: it serves {to_version} again, and {version} is tried again once it settles"
+        return f"nothing: it serves {to_version} again, and {version} is tried again later"
     return f"nothing for the engine (it serves {to_version} again); {version} is rejected: publish a good one"
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..checkpoint import completeness, order
 from ..checkpoint.completeness import DirectoryListing
-from ..checkpoint.conventions import Convention
+from ..checkpoint.conventions import Convention, name_says_step
 from ..checkpoint.files import changed, read_small
 from ..checkpoint.manifest import MANIFEST_NAME
 from ..checkpoint.manifest import parse as parse_manifest
@@ -47,6 +47,18 @@ def _other_content(
 def _loadable(candidates: Mapping[str, order.Candidate]) -> dict[str, order.Candidate]:
     """All but a converter's inputs (a trainer's own format): their version is their output's."""
     return {n: c for n, c in candidates.items() if order.placed_name(n, c.fingerprint) not in candidates}
+
+
+def _stepped(known: Loaded, candidates: Mapping[str, order.Candidate]) -> Loaded:
+    """A record from before trainers' checkpoints had a step (`conventions.trainer_step`) names
+    none: it takes its candidate's for the same content, else the one its name says, so an
+    older stepped candidate is not newer than it (nor the same bytes reloaded) after an upgrade."""
+    if known.step is not None or not known.in_root:
+        return known
+    candidate = candidates.get(known.name)
+    same = candidate is not None and bool(known.fingerprint) and candidate.fingerprint == known.fingerprint
+    step = candidate.step if same and candidate else name_says_step(order.base_name(known.name))
+    return known if step is None else known.model_copy(update={"step": step})
 
 
 def serving(
@@ -84,7 +96,7 @@ def serving(
         )
     if known is not None and known.version == engine_version:
         if trusted or not _other_content(engine_version, known, root, candidates):
-            return known
+            return _stepped(known, candidates)
         # Another engine's record, and the version names several contents: which is unknown.
         return known.model_copy(update={"fingerprint": UNKNOWN_CONTENT, "since": now})
     for name, candidate in _loadable(candidates).items():

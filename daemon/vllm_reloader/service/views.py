@@ -96,13 +96,14 @@ class Reporting:
             # job waiting, and systemd would kill the daemon at TimeoutStartSec.
             self.ready_sent = taken = self.notifier.ready(now)
             self.last_status = now if taken else self.last_status
-        if now != self.last_status:
+        if taken and now != self.last_status:  # (a READY=1 not taken carried it: again with it)
             taken = self.notifier.status(now)
             self.last_status = now if taken else self.last_status
         if clock >= self.next_ping:
             extended = self.ready_sent or self.notifier.extend_timeout(config.engine.retry_max + 30)
             pinged = extended and (not healthy or self.notifier.watchdog())
-            self.next_ping = clock + (PING_S if pinged else RESEND_S)
+            interval = min(PING_S, (self.notifier.watchdog_interval or PING_S) / 2)  # a short WatchdogSec
+            self.next_ping = clock + (interval if pinged else RESEND_S)
             taken = taken and pinged
         self.resend_at = None if taken else clock + RESEND_S
 

@@ -118,8 +118,18 @@ def _weight_version(url: str) -> str:
     return str(httpx.get(f"{url}/weight_info", timeout=10).json()["weight_version"])
 
 
-def _set_weight_version(url: str, version: str) -> None:
-    httpx.post(f"{url}/update_weight_version", json={"new_version": version}, timeout=30).raise_for_status()
+def _name_startup_weights(url: str) -> None:
+    """The engine serves its startup bytes again under the demo's name: named as at its start
+    (also what an earlier demo left), or said how to, when the engine does not answer."""
+    body = {"new_version": STARTUP_VERSION}
+    try:
+        httpx.post(f"{url}/update_weight_version", json=body, timeout=30).raise_for_status()
+    except httpx.HTTPError as exc:
+        _say(f"could not name the engine's weights {STARTUP_VERSION!r} again ({exc}): "
+             f"curl -X POST {url}/update_weight_version -H 'Content-Type: application/json' "
+             f"-d '{{\"new_version\": \"{STARTUP_VERSION}\"}}'")  # fmt: skip
+        return
+    _say(f"the engine's weight version is {STARTUP_VERSION!r} again")
 
 
 def _served_model(url: str) -> tuple[str, Path]:
@@ -271,9 +281,8 @@ def _engine(
         _say(f"using the engine at {url} (model {startup}); republishing its own weights")
         try:
             yield url, model, None, staging / "next"
-        finally:  # the same bytes as it started with: named as before (the demo's copy goes)
-            _set_weight_version(url, version)
-            _say(f"the engine's weight version is {version!r} again")
+        finally:  # the same bytes as it started with: named so (the demo's copy goes)
+            _name_startup_weights(url)
         return
     _say("writing two tiny random Llama checkpoints")
     write_checkpoint(staging / "seed-1", seed=1)
