@@ -177,7 +177,7 @@ def test_records_moved_to_the_same_dir_by_a_symlink_keep_everything_and_the_lock
     records.move_to(tmp_path / "alias")
     assert set(records.all("rejected")) == {"step-3"}
     probe = (
-        "import sys; from pathlib import Path; from vllm_reloader.records import take_lock; "
+        "import sys; from pathlib import Path; from vllm_reloader.lock import take_lock; "
         "take_lock(Path(sys.argv[1]))"
     )
     other = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "a")], capture_output=True, text=True)

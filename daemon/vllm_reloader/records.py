@@ -23,8 +23,6 @@ owner writes its whole fact again at its next change.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import os
 import sqlite3
@@ -36,10 +34,9 @@ from typing import Any, TypeVar
 
 from . import failpoints
 from .errors import AlreadyRunning, StateError
+from .lock import take_lock
 
 NAME = "records.sqlite"
-LOCK_NAME = "lock"
-"""Held (flock) by the one daemon that owns the state directory, with its pid inside."""
 SCHEMA = 1
 OPEN_TRIES = 4
 OPEN_BACKOFF_S = 0.1
@@ -59,37 +56,6 @@ CREATE TABLE IF NOT EXISTS content (
 CREATE TABLE IF NOT EXISTS leases (
     path TEXT NOT NULL, holder TEXT NOT NULL, PRIMARY KEY (path, holder));
 """
-
-
-def take_lock(directory: Path) -> int:
-    """The state directory's lock, with this process's pid written in it. `AlreadyRunning`,
-    naming the holder's pid, when another daemon holds it; `StateError` when it cannot be made.
-    A POSIX record lock (`lockf`), so it is the process's: a second store opened in the same
-    process (a test reading what its daemon wrote) shares it, and the kernel drops it when the
-    process dies however it dies."""
-    path = directory / LOCK_NAME
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    except OSError as exc:
-        raise StateError(f"cannot open {path}: {_reason(exc)}") from exc
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        if exc.errno not in (errno.EAGAIN, errno.EACCES):
-            raise StateError(f"cannot lock {path}: {_reason(exc)}") from exc
-        raise AlreadyRunning(
-            f"another vllm-reloader (pid {holder}) runs with state dir {directory}: one daemon per "
-            "state dir (stop that one first, e.g. `systemctl stop vllm-reloader`, or give this one "
-            "its own [state] dir)"
-        ) from None
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    except OSError:
-        pass  # the lock holds all the same; only the pid a second daemon names is missing
-    return fd
 
 
 class Corrupt(Exception):

@@ -14,7 +14,7 @@ import pytest
 
 from tests.support.checkpoints import TENSORS, MakeCheckpoint, write_manifest, write_weights
 from tests.support.permissions import OWNER, as_another_user
-from vllm_reloader.checkpoint import files, gate, layout
+from vllm_reloader.checkpoint import files, gate, layout, scan
 from vllm_reloader.checkpoint.conventions import Convention
 from vllm_reloader.checkpoint.files import INDEX_NAME, identity
 
@@ -257,13 +257,13 @@ def test_gate_pending_when_manifest_changes_while_being_verified(
     make_checkpoint: MakeCheckpoint, monkeypatch
 ):
     directory = make_checkpoint("step-1", step=1)
-    real = gate._read_bytes
+    real = scan.read_all
 
     def rewrite_then_hash(*args, **kwargs):
         write_manifest(directory, step=2)  # the producer replaced it mid-check
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(gate, "_read_bytes", rewrite_then_hash)
+    monkeypatch.setattr(scan, "read_all", rewrite_then_hash)
     verdict = gate.check(directory, serving=None)
     assert verdict.status == "pending" and "changed while it was being checked" in verdict.reason
 

@@ -198,17 +198,17 @@ def test_new_version_waits_at_most_the_hold_for_a_target_touched_faster_than_it_
 ):
     """A cron `chmod -R` or a backup's hard links every 0.2 s, on a target that takes 0.5 s to
     read: no re-read ever finishes unchanged, and the new version loads once the hold is over."""
-    from vllm_reloader.checkpoint import gate
+    from vllm_reloader.checkpoint import scan
     from vllm_reloader.service import rollback as rollback_module
 
     monkeypatch.setattr(rollback_module, "REVERIFY_HOLD", 1.0)
-    real = gate._read_bytes
+    real = scan.read_all
 
     def slow(*args, **kwargs):  # a large target takes minutes to read; here half a second
         time.sleep(0.5)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(gate, "_read_bytes", slow)
+    monkeypatch.setattr(scan, "read_all", slow)
     make_checkpoint("step-1", step=1, root=root, seed=1)
     engine = FakeEngine(startup=str(root / "step-1"))
     running = start(engine)

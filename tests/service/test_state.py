@@ -13,6 +13,7 @@ from structlog.testing import capture_logs
 from tests.support.records import fill_disk, open_records
 from vllm_reloader import records as records_mod
 from vllm_reloader.errors import StateError
+from vllm_reloader.lock import LOCK_NAME
 from vllm_reloader.service import migrate, state
 from vllm_reloader.sources.verdicts import Verdict
 
@@ -27,7 +28,7 @@ def test_state_round_trips_through_the_record_store(tmp_path):
     state.save(tmp_path, sample())
     assert state.load(tmp_path) == sample()
     made = sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(("-wal", "-shm")))
-    assert made == sorted([records_mod.LOCK_NAME, records_mod.NAME])
+    assert made == sorted([LOCK_NAME, records_mod.NAME])
 
 
 def test_state_of_a_state_dir_with_no_store_is_empty_and_nothing_is_made(tmp_path):

@@ -165,10 +165,8 @@ def fingerprint(listing: Listing, convention: Convention) -> str:
 
 def candidate(name: str, listing: Listing, convention: Convention) -> order.Candidate:
     """Name, step and fingerprint: enough to order candidates without gating them.
-    A manifest's step is ours; a trainer's checkpoint takes its own (`trainer_step`:
-    trainer_state.json's global_step, else a `checkpoint-N` name), also while still written, so
-    it is waited for as newer; a trainer's own format has the step its converted output will
-    have (`name_step`), to be converted in turn. With none, a checkpoint orders by name."""
+    A manifest's step is ours; a trainer's checkpoint has its own (`trainer_step`), also while
+    written (waited for as newer); a trainer's own format, its converted output's (`name_step`)."""
     try:
         fp = fingerprint(listing, convention)
     except OSError:
@@ -188,9 +186,8 @@ def candidate(name: str, listing: Listing, convention: Convention) -> order.Cand
 
 
 def _trainer_step(name: str, listing: Listing) -> int | None:
-    """A checkpoint a trainer wrote straight into the root: its own step (`trainer_step`). Its
-    trainer_state.json (up to MAX_LISTING_BYTES, on a store a GET) is read only when the name
-    says no step: every rescan asks again."""
+    """A trainer's checkpoint in the root: its own step (`trainer_step`); its trainer_state.json
+    (bounded; on a store, a GET at each rescan) read only when the name says none."""
     base = order.base_name(name)
     if (named := name_says_step(base)) is not None:
         return named

@@ -27,18 +27,16 @@ from __future__ import annotations
 import os
 import pwd
 import stat
-import threading
 import time
 import traceback
 from collections.abc import Mapping
-from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from ..config import Config
 from ..errors import LayoutUnreadable, NotJSONYet
-from . import completeness, conventions, layout, scan, verified
+from . import completeness, conventions, layout, scan
 from .completeness import DirectoryListing, Incomplete, Listing
 from .conventions import UNFINISHED_SUFFIX, Convention
 from .files import (
@@ -57,6 +55,7 @@ from .files import (
     weights_from_index,
 )
 from .manifest import Manifest, ManifestFile, path_problem
+from .scan import Run as Run
 
 __all__ = ["GateOptions", "Verdict", "check"]
 
@@ -248,31 +247,6 @@ def _index_problem(listing: Listing, manifest: Manifest) -> str | None:
     return None
 
 
-def _read_bytes(directory: Path, work: list[scan.Work], run: Run) -> scan.Found | None:
-    """Every byte once: digests and the NaN/Inf scan, largest files first (so one big shard
-    does not start last and finish alone), on the caller's long-lived pool if it has one."""
-    if not work:
-        return None
-    work = sorted(work, key=lambda w: w.entry.size, reverse=True)
-    run.progress.total = sum(w.entry.size for w in work)
-    left, cores, lock = [len(work)], os.cpu_count() or 1, threading.Lock()
-
-    def one(item: scan.Work) -> scan.Found | None:
-        with lock:  # files under way or to come: as many as cores, each hashes on one thread
-            alone = min(run.threads, left[0]) >= cores
-        item = replace(item, hash_threads=1) if alone else item
-        try:
-            return scan.read(directory, item, cancel=run.cancel, progress=run.progress, cache=run.cache)
-        finally:
-            with lock:
-                left[0] -= 1
-
-    if run.pool is not None:
-        return next((r for r in run.pool.map(one, work) if r), None)
-    with ThreadPoolExecutor(max_workers=min(run.threads, len(work))) as pool:
-        return next((r for r in pool.map(one, work) if r), None)
-
-
 def _settled(directory: Path, options: GateOptions) -> DirectoryListing:
     """The listing, taken once no file's last change is within a timestamp tick of now."""
     listing = _Bounded(directory, options)
@@ -281,19 +255,6 @@ def _settled(directory: Path, options: GateOptions) -> DirectoryListing:
         return listing
     time.sleep(min(wait_ns, RACY_NS) / 1e9)
     return _Bounded(directory, options)
-
-
-@dataclass(frozen=True)
-class Run:
-    """How one check runs: on whose threads, how far it got, and how to call it off."""
-
-    threads: int = 4
-    pool: Executor | None = None
-    """Reading threads made once by a long-lived caller (None: made for this check)."""
-    cancel: threading.Event | None = None
-    progress: scan.Progress = field(default_factory=scan.Progress)
-    cache: verified.Cache | None = None
-    """Files verified before (while they were written), by identity: not read again."""
 
 
 def check(
@@ -379,7 +340,7 @@ def _check(
         for item in checked
         if item.sha256 or item.blake3 or item.path in scanned
     ]
-    if (found := _read_bytes(directory, work, run)) is not None:
+    if (found := scan.read_all(directory, work, run)) is not None:
         if found.check == "cancelled":
             return Verdict("pending", found.reason, manifest, fp, {"cancelled": True})
         if found.check == "changed":

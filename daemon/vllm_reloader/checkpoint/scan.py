@@ -19,8 +19,8 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -335,3 +335,41 @@ def prehash(path: Path, cache: verified.Cache, max_tensors: int | None = None) -
             cache.release(found, result)
     finally:
         os.close(fd)
+
+
+@dataclass(frozen=True)
+class Run:
+    """How one check runs: on whose threads, how far it got, and how to call it off."""
+
+    threads: int = 4
+    pool: Executor | None = None
+    """Reading threads made once by a long-lived caller (None: made for this check)."""
+    cancel: threading.Event | None = None
+    progress: Progress = field(default_factory=Progress)
+    cache: verified.Cache | None = None
+    """Files verified before (while they were written), by identity: not read again."""
+
+
+def read_all(directory: Path, work: list[Work], run: Run) -> Found | None:
+    """Every byte once: digests and the NaN/Inf scan, largest files first (so one big shard
+    does not start last and finish alone), on the caller's long-lived pool if it has one."""
+    if not work:
+        return None
+    work = sorted(work, key=lambda w: w.entry.size, reverse=True)
+    run.progress.total = sum(w.entry.size for w in work)
+    left, cores, lock = [len(work)], os.cpu_count() or 1, threading.Lock()
+
+    def one(item: Work) -> Found | None:
+        with lock:  # files under way or to come: as many as cores, each hashes on one thread
+            alone = min(run.threads, left[0]) >= cores
+        item = replace(item, hash_threads=1) if alone else item
+        try:
+            return read(directory, item, cancel=run.cancel, progress=run.progress, cache=run.cache)
+        finally:
+            with lock:
+                left[0] -= 1
+
+    if run.pool is not None:
+        return next((r for r in run.pool.map(one, work) if r), None)
+    with ThreadPoolExecutor(max_workers=min(run.threads, len(work))) as pool:
+        return next((r for r in pool.map(one, work) if r), None)
