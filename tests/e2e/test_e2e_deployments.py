@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -43,12 +42,7 @@ def test_e2e_daemon_under_systemd_sends_ready_every_start_even_when_systemd_read
             notify = NotifySocket(tmp_path / f"notify-{start}.sock")
             late = start % 2 == 1
             if late:  # as systemd busy: the kernel's default queue of 10 datagrams, all taken
-                with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK) as filler:
-                    while True:
-                        try:
-                            filler.sendto(b"STATUS=stale", str(notify.path))
-                        except BlockingIOError:
-                            break
+                notify.fill()
             env = {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "60000000"}
             daemon = DaemonProcess(world.config, env=env)
             try:

@@ -37,6 +37,30 @@ class NotifySocket:
                 return fields
         raise AssertionError(f"no {field} in {self.messages}")
 
+    def fill(self) -> int:
+        """systemd reading late: its queue full (10 datagrams by default), the next one dropped."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK) as filler:
+            queued = 0
+            while True:
+                try:
+                    filler.sendto(b"STATUS=stale", str(self.path))
+                except BlockingIOError:
+                    return queued
+                queued += 1
+
+    def drain(self) -> list[list[str]]:
+        """Everything queued now, read at once (systemd catching up)."""
+        found = []
+        self.sock.setblocking(False)
+        try:
+            while True:
+                try:
+                    found.append(self.sock.recv(65536).decode().split("\n"))
+                except BlockingIOError:
+                    return found
+        finally:
+            self.sock.settimeout(0.2)
+
     def close(self) -> None:
         self.sock.close()
 
