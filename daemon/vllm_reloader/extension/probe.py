@@ -245,7 +245,7 @@ def _forward(runner: Any, model: Any, tokens: list[int] | None, lora: Any = None
     spread = logits.amax(dim=-1) - logits.amin(dim=-1)
     first = torch.log_softmax(logits[0], dim=-1)
     entropy = float(-(first.exp() * first).nansum())
-    max_abs = float(logits.abs().nan_to_num(math.inf).max())
+    max_abs = float(logits.abs().nan_to_num(nan=math.inf, posinf=math.inf).max())  # default posinf: FLT_MAX
     return {
         "logits": True,
         "tokens": len(ids),
