@@ -56,8 +56,9 @@ def test_e2e_publish_hot_reloads_and_matches_a_fresh_engine(world: World, tmp_pa
     done = world.daemon.wait_for("reload.succeeded", version=b.name)
     assert done["bytes"] and done["duration_ms"] and done["gb_per_s"] is not None
     load = done["load"]  # the worker extension's report (the session engine has it)
-    assert isinstance(load, dict) and load["loader"] == "extension" and load["reader"] == "buffered"
+    assert isinstance(load, dict) and load["loader"] == "extension"
     assert load["bytes"] == _tensor_bytes(world.root / b.name) and load["tensors"] > 0
+    assert len(json.dumps(done)) < 800, "one line to read, not every field of every rank's report"
     assert world.engine.weight_version() == b.name
     outputs_b = world.engine.complete()
     assert outputs_b != world.fresh_a, "B must answer differently from A, or this test proves nothing"

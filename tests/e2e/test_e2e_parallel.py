@@ -46,8 +46,8 @@ def test_e2e_tensor_parallel_engine_reloads_every_rank_and_restores_when_one_fai
             publish(b, root, step=3)
             done = daemon.wait_for("reload.succeeded", version="step-3", timeout=180)
             load = done["load"]
-            assert isinstance(load, dict) and load["workers"] == 2 and len(load["ranks"]) == 2
-            assert load["bytes"] == sum(rank["bytes"] for rank in load["ranks"]) > 0
+            assert isinstance(load, dict) and load["workers"] == 2 and len(load["rank_seconds"]) == 2
+            assert load["bytes"] == sum(load["rank_bytes"]) > 0
             assert engine.complete() != fresh_a
             publish(a, root, step=4)
             daemon.wait_for("reload.succeeded", version="step-4", timeout=180)

@@ -85,6 +85,24 @@ def test_daemon_waits_for_unreachable_engine_then_loads(start, root, make_checkp
     assert not running.events("engine.unreachable")
 
 
+def test_daemon_stopped_names_what_the_engine_said_it_serves_not_only_the_record(
+    start, root, make_checkpoint
+):
+    make_checkpoint("step-1", step=1, root=root)
+    make_checkpoint("step-2", step=2, root=root)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    first = start(engine)
+    first.wait_for("reload.succeeded", version="step-2")
+    first.stop()
+    assert first.wait_for("daemon.stopped")["serving"] == "step-2"
+    engine.fail["/weight_info"] = unreachable()  # restarted, and the engine has not answered since
+    second = start(engine)
+    second.wait_for("engine.starting")
+    second.stop()
+    stopped = second.wait_for("daemon.stopped")
+    assert stopped["serving"] is None and stopped["recorded"] == "step-2"
+
+
 def test_daemon_polls_a_starting_engine_every_second_and_warns_once_past_the_bound(
     start, root, make_checkpoint, monkeypatch
 ):

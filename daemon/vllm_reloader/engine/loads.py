@@ -6,23 +6,31 @@ from typing import Any
 
 from ..errors import EngineCallFailed
 
+SHOWN = ("loader", "bytes", "tensors", "seconds", "read_s", "wait_s", "model_s", "memory_peak")
+"""What `reload.succeeded` says of a load: enough to see where the time went in one line (the
+whole report, buffers and memory before and after included, is the extension's answer to a
+direct call)."""
+
 
 def load_report(results: list[Any]) -> dict[str, Any]:
     """Every worker's answer counts: one that did not report a load is a failed reload (with
-    tensor parallelism each rank loads its own part). One worker: its report; several: rank
-    0's, with bytes summed, the slowest rank's seconds, and every rank's report listed."""
+    tensor parallelism each rank loads its own part). One worker: its report's SHOWN keys;
+    several: rank 0's, with bytes summed, the slowest rank's seconds, and each rank's seconds
+    and bytes."""
     for rank, result in enumerate(results):
         if not isinstance(result, dict) or "loader" not in result:
             raise EngineCallFailed(
                 f"/collective_rpc: rank {rank} of {len(results)} reported no load ({str(result)[:200]})",
                 endpoint="/collective_rpc",
             )
+    first = {key: results[0][key] for key in SHOWN if key in results[0]}
     if len(results) == 1:
-        return dict(results[0])
+        return first
     return {
-        **results[0],
+        **first,
         "bytes": sum(int(r.get("bytes") or 0) for r in results),
         "seconds": max(float(r.get("seconds") or 0.0) for r in results),
         "workers": len(results),
-        "ranks": results,
+        "rank_seconds": [r.get("seconds") for r in results],
+        "rank_bytes": [r.get("bytes") for r in results],
     }

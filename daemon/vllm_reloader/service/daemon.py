@@ -160,11 +160,15 @@ class Daemon:
                     helper.close()
             self.reloader.close()  # last: the engines are resumed if a resume is owed
             self.records.close()
-            serving = self.reloader.served.serving
-            self.log.info(
-                "daemon.stopped", serving=serving.version if serving else None, exit_code=self.exit_code
-            )
+            self.log.info("daemon.stopped", exit_code=self.exit_code, **self._stopped_serving())
         return self.exit_code
+
+    def _stopped_serving(self) -> dict[str, str | None]:
+        """What the engine serves, as it last said: the record alone (`recorded`) is what it
+        served when this daemon or the last one last heard from it."""
+        served = self.reloader.served
+        version = served.serving.version if served.serving is not None else None
+        return {"serving": version} if served.reconciled else {"serving": None, "recorded": version}
 
     def _step(self) -> None:
         dead = next((name for name, h in self.helpers().items() if h is not None and not h.is_alive()), None)

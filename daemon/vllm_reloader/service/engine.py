@@ -217,10 +217,18 @@ class Engine:
             self.last_error = None
             self.follow.succeeded(self.url)
             return decision
-        failed = [e.fields.get("reason") for e in decision.events if e.name == "reload.failed"]
+        said = ("reload.failed", "engine.reload_refused")
+        failed = [e.fields.get("reason") for e in decision.events if e.name in said]
         reason = decision.reject.reason if decision.reject else str(failed[0] if failed else decision.result)
         wait = self.follow.failed(self.url)
         self.last_error = reason
+        refusal = "engine.reload_refused"
+        if any(e.name == refusal for e in decision.events):  # its one line says when it is tried again
+            events = tuple(
+                replace(e, fields={**e.fields, "retry_in_s": wait}) if e.name == refusal else e
+                for e in decision.events
+            )
+            return replace(decision, reject=None, regate=None, events=events)
         retry = outcomes.Event("warning", "engine.retry", {"reason": reason, "retry_in_s": wait})
         return replace(decision, reject=None, regate=None, events=(*decision.events, retry))
 

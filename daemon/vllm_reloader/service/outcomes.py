@@ -74,20 +74,24 @@ def decide(outcome: Outcome, *, now: float) -> Decision:
         return _canary_failed(outcome, events, owed, now)
     error = outcome.error
     if isinstance(error, ReloadFailed):
-        failed = {"version": version, "path": path, "reason": str(error), "restored": error.restored}
-        events.append(Event("error", "reload.failed", failed))
         rolled_back = error.restored and job.fallback is not None
+        if error.refused:  # the engine's memory, not the checkpoint: one line, tried again later
+            refused = {"version": version, "reason": str(error), "restored": error.restored}
+            if rolled_back and job.fallback is not None:
+                refused["to_version"] = job.fallback.version
+            refused["fix"] = capabilities.LOAN_REFUSED_FIX
+            events.append(Event("warning", "engine.reload_refused", refused))
+        else:
+            failed = {"version": version, "path": path, "reason": str(error), "restored": error.restored}
+            events.append(Event("error", "reload.failed", failed))
         cause = "changed" if error.changed else "probe" if error.probed or error.unjudged else "reload"
         blamed = error.engine_up and not _not_blamed(error)
-        if rolled_back and job.fallback is not None:
+        if rolled_back and job.fallback is not None and not error.refused:
             fields = {"version": version, "to_version": job.fallback.version, "cause": cause}
             fields["fix"] = rolled_back_fix(version, job.fallback.version, blames=blamed)
             events.append(Event("warning", "reload.rolled_back", fields))
         if error.changed:
             events.append(_changed(outcome, str(error), "after_load"))
-        if error.refused:  # the engine's memory, not the checkpoint: tried again after a backoff
-            refused = {"version": version, "reason": str(error), "fix": capabilities.LOAN_REFUSED_FIX}
-            events.append(Event("warning", "engine.reload_refused", refused))
         blame = Rejecting(  # a probe blames the weights loaded, a follower's too (as a canary does)
             job.candidate.name,
             version,
