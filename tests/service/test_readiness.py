@@ -45,12 +45,20 @@ def test_readiness_is_503_until_reconciled_then_200_and_names_why_an_engine_is_o
 
 
 @pytest.mark.parametrize(
-    "path", ["/ready/2", "/ready/x", "/ready/", "/ready/0/x", "/metrics", "/ready/\u0660"]
+    "path", ["/ready/2", "/ready/x", "/ready/", "/ready/0/x", "/metrics", "/ready/\u0660", "/ready/a:80"]
 )
 def test_readiness_answers_404_to_what_names_no_engine(served, path: str):
     _, base = served
     answer = httpx.get(f"{base}{path}")
     assert answer.status_code == 404 and "N from 0 to 1" in answer.text
+
+
+def test_readiness_by_address_answers_for_the_same_engine_after_a_sighup_reorders_urls(served):
+    rotation, base = served
+    rotation.put_back("http://b", "down")
+    assert [httpx.get(f"{base}/ready/{name}").status_code for name in ("a", "b", "1")] == [503, 200, 200]
+    rotation.track(["http://b", "http://a"])  # a SIGHUP that reordered `urls`
+    assert [httpx.get(f"{base}/ready/{name}").status_code for name in ("a", "b", "1")] == [503, 200, 503]
 
 
 def test_readiness_engines_a_sighup_adds_start_out_and_kept_ones_keep_their_state():

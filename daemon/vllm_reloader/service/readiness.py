@@ -1,6 +1,7 @@
 """Which engines should take traffic, for the load balancer in front of them.
 
-`GET /ready/<n>` (n: the engine's place in `engine.urls`, from 0) answers 200 while engine n
+`GET /ready/<n>` (n: the engine's place in `engine.urls`, from 0, or its HOST:PORT, which a
+SIGHUP that reorders `urls` does not move) answers 200 while engine n
 should take traffic and 503, with why, while it should not: not answering yet or down, or
 out of rotation for a reload (`[readiness] drain`: taken out before its pause, back only
 after its canary passed or its rollback). HAProxy's `option httpchk GET /ready/0`, Envoy's
@@ -20,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
+from urllib.parse import urlsplit
 
 from ..config import Config
 from ..errors import ConfigError
@@ -278,6 +280,14 @@ class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
+def engine_named(name: str, urls: Sequence[str]) -> str | None:
+    """The engine `/ready/<name>` asks about: its place in `urls` (from 0), or its address as
+    the URL gives it (`127.0.0.1:8001`), which a SIGHUP that reorders `urls` does not move."""
+    if name.isascii() and name.isdigit() and len(name) < 6:
+        return urls[int(name)] if int(name) < len(urls) else None
+    return next((url for url in urls if name and urlsplit(url).netloc == name), None)
+
+
 class _DeadlineReader:
     """The request's bytes, read with one deadline for the whole request (a timeout per read
     would let a client sending a byte a second hold its slot for ever)."""
@@ -318,17 +328,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.do_GET()
 
     def do_GET(self) -> None:
-        head, _, index = self.path.partition("?")[0].removeprefix("/ready/").partition("/")
+        head, _, rest = self.path.partition("?")[0].removeprefix("/ready/").partition("/")
         urls = self.rotation.urls
-        if (
-            not self.path.startswith("/ready/")
-            or index
-            or not (head.isascii() and head.isdigit() and len(head) < 6)
-            or int(head) >= len(urls)
-        ):
-            self._answer(404, f"no such engine: GET /ready/N, N from 0 to {len(urls) - 1}\n")
+        url = None if rest or not self.path.startswith("/ready/") else engine_named(head, urls)
+        if url is None:
+            named = f"N from 0 to {len(urls) - 1}, or /ready/HOST:PORT"
+            self._answer(404, f"no such engine: GET /ready/N, {named}\n")
             return
-        why = self.rotation.asked(urls[int(head)], str(self.client_address[0]))
+        why = self.rotation.asked(url, str(self.client_address[0]))
         self._answer(200, "ready\n") if why is None else self._answer(503, f"{why}\n")
 
     def _answer(self, status: int, text: str) -> None:
