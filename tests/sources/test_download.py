@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,6 +46,7 @@ def run_fetch(store: Store, tmp_path: Path, get_part=None, plan: Plan = PLAN):
     data, _ = store.get("step-9/manifest.json")
     manifest = parse(data)
     objects = {e.path: listing[f"step-9/{e.path}"] for e in manifest.files}
+    (tmp_path / "cache" / "staging").mkdir(parents=True, exist_ok=True)  # as the remote source does at start
     return fetch(
         store, "step-9", ("manifest.json", data), manifest, objects,
         staging_root=tmp_path / "cache" / "staging", root=tmp_path / "cache" / "root",
@@ -329,3 +331,20 @@ def test_download_journals_no_part_whose_bytes_the_disk_refused(uploaded, tmp_pa
     assert result.rejected == "" and result.path is not None
     for path in checkpoint.iterdir():
         assert (result.path / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def test_download_into_a_state_dir_deleted_meanwhile_fails_and_makes_it_not_again(uploaded, tmp_path):
+    _, store = uploaded
+    state = tmp_path / "state"
+    (state / "cache" / "staging").mkdir(parents=True)  # as at start
+    shutil.rmtree(state)  # an operator's `rm -rf` under the running daemon
+    listing, _ = store.list()
+    data, _ = store.get("step-9/manifest.json")
+    manifest = parse(data)
+    objects = {e.path: listing[f"step-9/{e.path}"] for e in manifest.files}
+    with pytest.raises(DownloadError, match="No such file or directory"):
+        fetch(
+            store, "step-9", ("manifest.json", data), manifest, objects,
+            staging_root=state / "cache" / "staging", root=state / "cache" / "root", plan=PLAN,
+        )  # fmt: skip
+    assert not state.exists(), "the records are gone with it: nothing is made again behind the operator"

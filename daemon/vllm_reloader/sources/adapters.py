@@ -328,8 +328,10 @@ class AdapterSource(LoopWorker):
         return AdapterVersion(name, version, str(final), digest, size=size), new
 
     def _ensure(self, directory: Path) -> None:
+        """Made inside one that exists (never its parents: a state dir deleted under a running
+        daemon is not made again behind the operator's back; the copy fails, saying so)."""
         if not directory.is_dir():
-            directory.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(exist_ok=True)
             os.chmod(directory, 0o755)
 
     def _sweep(self) -> None:

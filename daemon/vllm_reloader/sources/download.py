@@ -279,7 +279,7 @@ def fetch(
     staging = staging_root / place_as
     try:
         for resume in (True, False):
-            staging.mkdir(parents=True, exist_ok=True)
+            staging.mkdir(exist_ok=True)  # in the staging root made at start, never its parents
             journal = _Journal(staging / JOURNAL_NAME, resume)
             download = _Download(store, manifest, listing, staging, plan, stop, get_part, journal, name)
             try:
@@ -320,7 +320,7 @@ def place(staging: Path, root: Path, name: str, last: tuple[str, bytes] | None) 
         write_synced(staging / last[0], last[1])
     for directory in sorted({p.parent for p in staging.rglob("*")}, reverse=True):
         fsync_dir(directory)
-    root.mkdir(parents=True, exist_ok=True)
+    root.mkdir(exist_ok=True)  # never its parents: a state dir deleted meanwhile stays gone
     final = root / name
     if os.path.lexists(final):  # this content, placed before (its name says so): keep that one
         shutil.rmtree(staging, ignore_errors=True)

@@ -102,6 +102,9 @@ class RemoteSource(LoopWorker):
         self.serves = serves
         self.verified_files = verified_files
         self.store = store or Store(config.source.path, endpoint_url=config.source.endpoint_url)
+        # Made once, at start (the state dir exists: its lock is held); a download makes its own
+        # directory inside, never this or its parents: a state dir deleted meanwhile stays gone.
+        self.staging_root.mkdir(parents=True, exist_ok=True)
         self.log = log.get()
         self.seen: dict[str, Seen] = {}
         self.pending: dict[str, str] = {}
