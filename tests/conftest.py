@@ -32,9 +32,13 @@ SHARED_ENGINES = ("world", "lora")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`xla` tests need torch_xla, which pins its own torch and so lives in its own venv
+    """Real-engine tests first, each shared engine's tests on one worker (SHARED_ENGINES).
+    `xla` tests need torch_xla, which pins its own torch and so lives in its own venv
     (scripts/test runs them there with `-m xla`): elsewhere they are deselected, and a run
     that selects nothing but them fails with "no tests ran"."""
+    # The real-engine tests first (a stable sort): the long ones spread over the workers, not
+    # left for one worker at the end while the others idle.
+    items.sort(key=lambda item: item.get_closest_marker("engine") is None)
     if config.pluginmanager.hasplugin("xdist"):
         for item in items:
             shared = next((name for name in SHARED_ENGINES if name in item.fixturenames), None)  # type: ignore[attr-defined]

@@ -63,8 +63,9 @@ def test_e2e_fleet_follower_loads_only_what_a_canary_host_passed(
         follower.wait_for("engine.reconciled")
         good = f"step-{next(_steps)}"
         publish_remote(world.staging / "seed-2", bucket.url, name=good, step=10**7)
-        waiting = follower.wait_for("checkpoint.pending", name=good)
-        assert "waiting for canary hosts: 0 of 1 passed" in str(waiting["reason"])
+        # Listed while still uploading it first waits for its manifest; then for the canary hosts.
+        waiting = "waiting for canary hosts: 0 of 1 passed"
+        follower.wait_for("checkpoint.pending", name=good, reason_has=waiting)
         assert not follower.events("download.started", name=good)
 
         canary = DaemonProcess(canary_config)

@@ -160,10 +160,14 @@ class DaemonProcess:
     def events(self, event: str, /, **fields: object) -> list[dict[str, object]]:
         return [e for e in list(self.lines) if e.get("event") == event and fields.items() <= e.items()]
 
-    def wait_for(self, event: str, /, timeout: float = 60.0, **fields: object) -> dict[str, object]:
+    def wait_for(
+        self, event: str, /, timeout: float = 60.0, reason_has: str = "", **fields: object
+    ) -> dict[str, object]:
+        """The newest `event` with `fields` (and, given `reason_has`, a reason holding it: the
+        lines said before it, while a writer was still at work, do not count)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if found := self.events(event, **fields):
+            if found := [e for e in self.events(event, **fields) if reason_has in str(e.get("reason", ""))]:
                 return found[-1]
             if self.process.poll() is not None:
                 break
