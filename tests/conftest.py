@@ -26,24 +26,16 @@ def logging_as_it_was() -> Iterator[None]:
     structlog.configure(**saved)
 
 
-SHARED_ENGINES = ("world", "lora")
-"""Fixtures that start one real engine for many tests: with pytest-xdist (`scripts/test` runs
-`-n 3 --dist loadgroup`) every test that uses one runs on the same worker, so it starts once."""
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Real-engine tests first, each shared engine's tests on one worker (SHARED_ENGINES).
+    """Real-engine tests first (`scripts/test` hands out whole files to its pytest-xdist
+    workers, `--dist loadfile`: a module's shared engine starts once).
+
     `xla` tests need torch_xla, which pins its own torch and so lives in its own venv
     (scripts/test runs them there with `-m xla`): elsewhere they are deselected, and a run
     that selects nothing but them fails with "no tests ran"."""
     # The real-engine tests first (a stable sort): the long ones spread over the workers, not
     # left for one worker at the end while the others idle.
     items.sort(key=lambda item: item.get_closest_marker("engine") is None)
-    if config.pluginmanager.hasplugin("xdist"):
-        for item in items:
-            shared = next((name for name in SHARED_ENGINES if name in item.fixturenames), None)  # type: ignore[attr-defined]
-            if shared is not None:
-                item.add_marker(pytest.mark.xdist_group(shared))
     if importlib.util.find_spec("torch_xla") is not None:
         return
     xla = [item for item in items if item.get_closest_marker("xla")]

@@ -58,7 +58,7 @@ def test_e2e_publish_hot_reloads_and_matches_a_fresh_engine(world: World, tmp_pa
     load = done["load"]  # the worker extension's report (the session engine has it)
     assert isinstance(load, dict) and load["loader"] == "extension"
     assert load["bytes"] == _tensor_bytes(world.root / b.name) and load["tensors"] > 0
-    assert len(json.dumps(done)) < 800, "one line to read, not every field of every rank's report"
+    assert len(json.dumps(load)) < 300, "what says where the time went, not every field of the report"
     assert world.engine.weight_version() == b.name
     outputs_b = world.engine.complete()
     assert outputs_b != world.fresh_a, "B must answer differently from A, or this test proves nothing"

@@ -97,6 +97,13 @@ def test_outcome_canary_failure_without_fallback_stays_loaded_and_says_so():
     assert decision.serving is not None and decision.serving.version == "step-2" and decision.set_serving
 
 
+def test_outcome_load_refused_whose_restore_failed_is_a_failed_reload_at_error():
+    failed = ReloadFailed("Updating weights …; restore failed", restored=False, engine_up=True, refused=True)
+    decision = decide(Outcome(job(), 0.5, error=failed), now=1.0)
+    assert names(decision) == ["reload.failed"] and decision.events[0].level == "error"
+    assert decision.engine_down is failed
+
+
 def test_outcome_load_refused_for_memory_blames_no_checkpoint_and_says_how_to_make_room():
     failed = ReloadFailed("Updating weights …; restored step-1", restored=True, engine_up=True, refused=True)
     decision = decide(Outcome(job(), 0.5, error=failed), now=1.0)
@@ -104,4 +111,5 @@ def test_outcome_load_refused_for_memory_blames_no_checkpoint_and_says_how_to_ma
     assert names(decision) == ["engine.reload_refused"], "one refusal, one line"
     said = decision.events[0].fields
     assert "gpu_memory_utilization" in said["fix"] and said["restored"] and said["to_version"] == "step-1"
+    assert decision.rollback is None, "put back as it was, nothing blamed: not counted as a rollback"
     assert decision.serving == GOOD.model_copy(update={"since": 1.0})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import time
 import zipfile
 from collections.abc import Callable, Iterable
@@ -108,7 +109,7 @@ def read_members(
         names = sorted((i for i in wheel.infolist() if wanted(i.filename)), key=lambda i: i.header_offset)
         members: dict[str, str] = {info.filename: wheel.read(info).decode() for info in names}
     cache.mkdir(parents=True, exist_ok=True)
-    partial = stored.with_suffix(".part")
+    partial = stored.with_suffix(f".part-{os.getpid()}")  # test workers may read one wheel at once
     partial.write_text(json.dumps(members))
     partial.replace(stored)
     fetched.seconds = time.perf_counter() - started

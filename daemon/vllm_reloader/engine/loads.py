@@ -15,8 +15,8 @@ direct call)."""
 def load_report(results: list[Any]) -> dict[str, Any]:
     """Every worker's answer counts: one that did not report a load is a failed reload (with
     tensor parallelism each rank loads its own part). One worker: its report's SHOWN keys;
-    several: rank 0's, with bytes summed, the slowest rank's seconds, and each rank's seconds
-    and bytes."""
+    several: rank 0's, with bytes summed, the slowest rank's seconds, the highest peak, and each
+    rank's seconds and bytes."""
     for rank, result in enumerate(results):
         if not isinstance(result, dict) or "loader" not in result:
             raise EngineCallFailed(
@@ -30,6 +30,7 @@ def load_report(results: list[Any]) -> dict[str, Any]:
         **first,
         "bytes": sum(int(r.get("bytes") or 0) for r in results),
         "seconds": max(float(r.get("seconds") or 0.0) for r in results),
+        "memory_peak": max((r.get("memory_peak") or 0 for r in results), default=0) or None,
         "workers": len(results),
         "rank_seconds": [r.get("seconds") for r in results],
         "rank_bytes": [r.get("bytes") for r in results],

@@ -75,9 +75,12 @@ def decide(outcome: Outcome, *, now: float) -> Decision:
     error = outcome.error
     if isinstance(error, ReloadFailed):
         rolled_back = error.restored and job.fallback is not None
-        if error.refused:  # the engine's memory, not the checkpoint: one line, tried again later
-            refused = {"version": version, "reason": str(error), "restored": error.restored}
-            if rolled_back and job.fallback is not None:
+        # Refused for the engine's memory and put back as it was: no weight blamed, nothing
+        # rolled back (not counted as one), tried again later; one line says all of it.
+        quietly = error.refused and error.restored
+        if quietly:
+            refused = {"version": version, "reason": str(error), "restored": True}
+            if job.fallback is not None:
                 refused["to_version"] = job.fallback.version
             refused["fix"] = capabilities.LOAN_REFUSED_FIX
             events.append(Event("warning", "engine.reload_refused", refused))
@@ -86,7 +89,7 @@ def decide(outcome: Outcome, *, now: float) -> Decision:
             events.append(Event("error", "reload.failed", failed))
         cause = "changed" if error.changed else "probe" if error.probed or error.unjudged else "reload"
         blamed = error.engine_up and not _not_blamed(error)
-        if rolled_back and job.fallback is not None and not error.refused:
+        if rolled_back and job.fallback is not None and not quietly:
             fields = {"version": version, "to_version": job.fallback.version, "cause": cause}
             fields["fix"] = rolled_back_fix(version, job.fallback.version, blames=blamed)
             events.append(Event("warning", "reload.rolled_back", fields))
@@ -104,7 +107,7 @@ def decide(outcome: Outcome, *, now: float) -> Decision:
             "changed" if error.changed else "failed",
             tuple(events),
             owed,
-            rollback=cause if rolled_back else None,
+            rollback=cause if rolled_back and not quietly else None,
             reject=blame if blamed else None,
             serving=back,
             set_serving=back is not None,

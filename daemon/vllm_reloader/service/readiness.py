@@ -285,7 +285,8 @@ def engine_named(name: str, urls: Sequence[str]) -> str | None:
     the URL gives it (`127.0.0.1:8001`), which a SIGHUP that reorders `urls` does not move."""
     if name.isascii() and name.isdigit() and len(name) < 6:
         return urls[int(name)] if int(name) < len(urls) else None
-    return next((url for url in urls if name and urlsplit(url).netloc == name), None)
+    found = [url for url in urls if name and urlsplit(url).netloc.lower() == name.lower()]
+    return found[0] if len(found) == 1 else None  # two at one address (other paths): say neither
 
 
 class _DeadlineReader:

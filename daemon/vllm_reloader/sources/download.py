@@ -279,7 +279,8 @@ def fetch(
     staging = staging_root / place_as
     try:
         for resume in (True, False):
-            staging.mkdir(exist_ok=True)  # in the staging root made at start, never its parents
+            staging_root.mkdir(exist_ok=True)  # never its parents: a state dir deleted meanwhile stays gone
+            staging.mkdir(exist_ok=True)
             journal = _Journal(staging / JOURNAL_NAME, resume)
             download = _Download(store, manifest, listing, staging, plan, stop, get_part, journal, name)
             try:
