@@ -26,6 +26,10 @@ def logging_as_it_was() -> Iterator[None]:
     structlog.configure(**saved)
 
 
+LONGEST = ("test_bench.py", "test_e2e_engines.py", "test_e2e_deployments.py")
+"""About four minutes each on 2 cores, one worker each: handed out first."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Real-engine tests first (`scripts/test` hands out whole files to its pytest-xdist
     workers, `--dist loadfile`: a module's shared engine starts once).
@@ -33,9 +37,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     `xla` tests need torch_xla, which pins its own torch and so lives in its own venv
     (scripts/test runs them there with `-m xla`): elsewhere they are deselected, and a run
     that selects nothing but them fails with "no tests ran"."""
-    # The real-engine tests first (a stable sort): the long ones spread over the workers, not
-    # left for one worker at the end while the others idle.
-    items.sort(key=lambda item: item.get_closest_marker("engine") is None)
+    # The real-engine tests first, the longest files before them (a stable sort): the long ones
+    # spread over the workers, not left for one worker at the end while the others idle.
+    items.sort(key=lambda item: (item.path.name not in LONGEST, item.get_closest_marker("engine") is None))
     if importlib.util.find_spec("torch_xla") is not None:
         return
     xla = [item for item in items if item.get_closest_marker("xla")]
