@@ -214,6 +214,9 @@ def _paused_mid_way(engine: Engine, body: dict[str, object]) -> tuple[list[str],
     thread.start()
     while not streamed and thread.is_alive():
         threading.Event().wait(0.001)
+    seen = time.monotonic() + 5  # until the engine's own count has it too (later on a loaded machine)
+    while thread.is_alive() and not _running(engine) and time.monotonic() < seen:
+        threading.Event().wait(0.01)
     engine.http.post("/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
     try:
         running = _running(engine)
