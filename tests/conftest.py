@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -39,7 +40,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     that selects nothing but them fails with "no tests ran"."""
     # The real-engine tests first, the longest files before them (a stable sort): the long ones
     # spread over the workers, not left for one worker at the end while the others idle.
-    items.sort(key=lambda item: (item.path.name not in LONGEST, item.get_closest_marker("engine") is None))
+    # Only on xdist's workers: one process keeps the files' order (test_e2e.py's first test sees
+    # the session's `world` before any other module moved it).
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda i: (i.path.name not in LONGEST, i.get_closest_marker("engine") is None))
     if importlib.util.find_spec("torch_xla") is not None:
         return
     xla = [item for item in items if item.get_closest_marker("xla")]
