@@ -217,12 +217,11 @@ class Engine:
             self.last_error = None
             self.follow.succeeded(self.url)
             return decision
-        said = ("reload.failed", "engine.reload_refused")
-        failed = [e.fields.get("reason") for e in decision.events if e.name in said]
+        refusal = "engine.reload_refused"
+        failed = [e.fields.get("reason") for e in decision.events if e.name in ("reload.failed", refusal)]
         reason = decision.reject.reason if decision.reject else str(failed[0] if failed else decision.result)
         wait = self.follow.failed(self.url)
         self.last_error = reason
-        refusal = "engine.reload_refused"
         if any(e.name == refusal for e in decision.events):  # its one line says when it is tried again
             events = tuple(
                 replace(e, fields={**e.fields, "retry_in_s": wait}) if e.name == refusal else e
