@@ -3,7 +3,8 @@ file in `state.dir` (`records.sqlite`, write-ahead logged, so `status` reads whi
 writes).
 
     facts     (kind, key) → JSON value: the pin, the rollback history, rejected checkpoints
-              and adapters (by fingerprint), why an engine is kept out of rotation
+              and adapters (by fingerprint), why an engine is kept out of rotation, when
+              each step-less version arrived
     outbox    verdicts for a fleet's object store, not written there yet (both fleets)
     content   every copy the daemon made (downloads, adapter copies, converter outputs)
     leases    who holds each copy (a copy no lease holds may be collected)

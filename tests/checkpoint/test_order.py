@@ -106,3 +106,18 @@ def test_policy_remembers_every_rejected_content_of_a_name():
         )
         == []
     )
+
+
+def test_order_puts_a_stepless_arrival_after_its_floor_and_before_a_higher_step():
+    serving = Serving(order_key("step-5", 5))
+    came = Candidate("final", None, "a", arrival=(5, 1))
+    lower = Candidate("final-old", None, "b", arrival=(3, 2))
+    assert serving.replaced_by(came)
+    assert not serving.replaced_by(lower), "it arrived when step 3 was the highest: older than step 5"
+    assert not serving.replaced_by(Candidate("before", None, "c")), "no arrival: before every step"
+    ordered = to_try(
+        {c.name: c for c in (came, Candidate("step-6", 6, "d"), Candidate("step-4", 4, "e"))},
+        serving=serving,
+        rejected={},
+    )
+    assert [c.name for c in ordered] == ["step-6", "final"]

@@ -280,6 +280,33 @@ def test_daemon_serves_a_trainer_checkpoint_copied_in_after_a_stepped_publish(st
     assert not running.events("checkpoint.passed_over")
 
 
+def test_daemon_serves_a_copy_with_no_step_that_arrives_after_a_stepped_version_and_remembers_when(
+    start, root, make_checkpoint, tmp_path
+):
+    """`save_model`'s output has no step anywhere: one copied in after `step-1` serves is newer
+    (arrival order, kept in the record store); one there before the daemon first ran is not."""
+    make_checkpoint("step-1", step=1, root=root)
+    write_weights(root / "old-export", seed=4)
+    engine = FakeEngine(startup=str(root / "step-1"))
+    first = start(engine, settle_seconds=0.3)
+    first.wait_for("engine.reconciled", version="step-1")
+    write_weights(root / "final-model", seed=2)
+    first.wait_for("reload.succeeded", version="final-model")
+    first.stop()
+    first.wait_for("daemon.stopped")
+    assert state.load(tmp_path / "state").serving.arrival == (1, 1)  # type: ignore[union-attr]
+    write_weights(root / "while-down", seed=3)  # new since the last run: it arrived after
+    calls = len(engine.calls)
+    second = start(engine, settle_seconds=0.3)
+    second.wait_for("reload.succeeded", version="while-down")
+    make_checkpoint("step-2", step=2, root=root)  # a higher step is newer than both
+    second.wait_for("reload.succeeded", version="step-2")
+    loads = [c for c in engine.calls[calls:] if c.startswith("reload:")]
+    assert loads == [f"reload:{root / 'while-down'}", f"reload:{root / 'step-2'}"]
+    assert f"reload:{root / 'old-export'}" not in engine.calls, "there before: nothing says it is newer"
+    assert not first.events("checkpoint.passed_over") and not second.events("checkpoint.passed_over")
+
+
 def test_daemon_does_not_say_a_manifest_written_in_part_is_passed_over(start, root, make_checkpoint):
     make_checkpoint("step-100", step=100, root=root)
     engine = FakeEngine(startup=str(root / "step-100"))

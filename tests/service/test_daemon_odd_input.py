@@ -111,6 +111,22 @@ ODD: dict[str, Callable[[Path], str]] = {
 }
 
 
+def test_daemon_rejects_a_manifest_too_large_to_read_copied_in_after_a_stepped_version(
+    start, root, make_checkpoint
+):
+    """Never read, so it says no step: it arrived after what serves, so it is tried, and the
+    gate says why it can never load (before, it was passed over with no word but `seen`)."""
+    make_checkpoint("step-1", step=1, root=root)
+    running = start(FakeEngine(startup=str(root / "step-1")))
+    running.wait_for("engine.reconciled", version="step-1")
+    staged = make_checkpoint("big", step=2, root=root.parent)
+    with (staged / "manifest.json").open("ab") as manifest:
+        manifest.write(b" " * (17 << 20))
+    staged.rename(root / "big")
+    rejected = running.wait_for("checkpoint.rejected", name="big")
+    assert "larger than 16777216 bytes" in rejected["reason"], rejected
+
+
 @pytest.mark.parametrize("kind", sorted(ODD))
 def test_daemon_refuses_odd_input_and_loads_the_next_good_checkpoint(
     start, root, tmp_path, make_checkpoint, kind

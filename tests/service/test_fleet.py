@@ -21,7 +21,7 @@ from safetensors.numpy import save_file
 from tests.support.checkpoints import TENSORS, MakeCheckpoint, write_manifest
 from tests.support.daemon_fixtures import events_in, wait_for_event
 from tests.support.fake_engine import FakeEngine
-from tests.support.records import open_records
+from tests.support.records import source_records
 from tests.support.store_fixtures import WRITABLE, Bucket
 from vllm_reloader import config
 from vllm_reloader.checkpoint import order
@@ -127,7 +127,7 @@ class Fleet:
             serving=lambda: order.NOTHING,
             rejected=dict,
             post=posted.append,
-            records=open_records(self.config(label, rollout).state.dir),
+            **source_records(self.config(label, rollout).state.dir),
         )
         return Follower(source, posted)
 

@@ -280,7 +280,7 @@ def test_service_status_line_escapes_what_the_engine_or_a_writer_put_in_a_versio
     daemon = start()
     ready = notify.wait_for("READY=1")
     assert "WATCHDOG=trigger" not in ready
-    assert any(f.startswith("STATUS=serving x\\nWATCHDOG=trigger since") for f in ready)
+    assert any(f.startswith("STATUS=serving x\\nWATCHDOG=trigger since") for f in ready), ready
     assert daemon.stop() == 0
 
 

@@ -15,7 +15,7 @@ import structlog
 from tests.support.checkpoints import MakeCheckpoint, hf_index, write_manifest, write_weights
 from tests.support.daemon_fixtures import wait_for_event
 from tests.support.fake_engine import FakeEngine, FakeEngineServer
-from tests.support.records import open_records
+from tests.support.records import open_records, source_records
 from tests.support.store_fixtures import STORES, WRITABLE, Bucket, new_bucket
 from vllm_reloader import config
 from vllm_reloader.checkpoint import completeness, gate, order, verified
@@ -48,7 +48,7 @@ class Harness:
             serving=lambda: self.serving_key,
             rejected=dict,
             post=self.posted.append,
-            records=open_records(self.cfg.state.dir),
+            **source_records(self.cfg.state.dir),
         )
 
     @property
@@ -444,7 +444,7 @@ def foreign_harness(tmp_path: Path, bucket: Bucket, mode: str, **source: Any) ->
         serving=lambda: order.NOTHING,
         rejected=dict,
         post=harness.posted.append,
-        records=open_records(harness.cfg.state.dir),
+        **source_records(harness.cfg.state.dir),
     )
     return harness
 
@@ -736,6 +736,22 @@ def test_remote_oversized_manifest_is_never_read_rejected_once_and_older_ones_lo
     assert [(r["name"], r["check"]) for r in harness.rejected()] == [("b-2", "manifest")]
     assert "more than" in harness.rejected()[0]["reason"]
     assert harness.fetched() == ["a-1"], "the older good version is not held back"
+
+
+def test_remote_downloads_a_version_with_no_step_uploaded_after_the_stepped_one_that_serves(
+    tmp_path, bucket: Bucket, make_checkpoint
+):
+    harness = Harness(tmp_path, bucket.url)
+    bucket.upload_dir(make_checkpoint("step-1", step=1, root=tmp_path / "src", seed=1), "step-1")
+    bucket.upload_dir(make_checkpoint("there", root=tmp_path / "src", seed=2), "there")
+    harness.source.poll()
+    assert harness.fetched() == ["step-1"]
+    harness.serving_key = order.Serving(order.order_key("step-1", 1), "step-1")
+    harness.source.poll()
+    bucket.upload_dir(make_checkpoint("final", root=tmp_path / "src", seed=3), "final")  # no step
+    harness.source.poll()
+    assert harness.fetched() == ["step-1", "final"], "listed after step-1: newer; 'there' was there first"
+    assert harness.source.arrivals.of("final") == (1, 1)
 
 
 def test_remote_name_too_long_for_the_filesystem_is_rejected_once_and_older_ones_load(

@@ -20,6 +20,7 @@ from vllm_reloader.checkpoint import order
 from vllm_reloader.errors import SourceError
 from vllm_reloader.records import RecordStore
 from vllm_reloader.sources import verdicts
+from vllm_reloader.sources.arrivals import Arrivals
 from vllm_reloader.sources.objstore import Store
 from vllm_reloader.sources.remote import RemoteSource
 
@@ -59,7 +60,8 @@ def source(
         serving=lambda: order.NOTHING,
         rejected=dict,
         post=lambda _: None,
-        records=records or open_records(cfg.state.dir),
+        records=(store := records or open_records(cfg.state.dir)),
+        arrivals=Arrivals(store),
     )
     polls = [0]
     poll = found.poll

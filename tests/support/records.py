@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
 
 from vllm_reloader.records import RecordStore
+from vllm_reloader.sources.arrivals import Arrivals
 
 
 def open_records(directory: Path) -> RecordStore:
     """The record store in `directory` (made, as an operator makes `state.dir`)."""
     directory.mkdir(parents=True, exist_ok=True)
     return RecordStore.open(directory, structlog.get_logger())
+
+
+def source_records(directory: Path) -> dict[str, Any]:
+    """A remote source's `records` and `arrivals`, over the record store in `directory`."""
+    records = open_records(directory)
+    return {"records": records, "arrivals": Arrivals(records)}
 
 
 def read_records(directory: Path) -> RecordStore:

@@ -1,7 +1,10 @@
 """Which checkpoint is newer, and which to try next: a pure function of what is known, no I/O.
 
-Candidates are ordered by manifest `step`, then by name in natural order (`step-9` <
-`step-10`); a candidate without a step sorts before every stepped one. Only a candidate
+Candidates are ordered by step (a manifest's, a trainer's), then by name in natural order
+(`step-9` < `step-10`). One with no step orders by its arrival (`Arrival`, kept by
+`sources.arrivals`): after the highest step known when it arrived, and after every step-less
+one that arrived before it; one that was there before anything was watching (no arrival)
+sorts before every stepped one. Only a candidate
 newer than the one serving is ever loaded, newest first, so checkpoints that became ready
 during a reload are coalesced into one reload to the newest, and the serving version never
 moves backwards by itself.
@@ -16,10 +19,13 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
-OrderKey = tuple[int, int, tuple[tuple[int, int | str], ...]]
+NaturalKey = tuple[tuple[int, int | str], ...]
+OrderKey = tuple[int, int, int, NaturalKey]
+Arrival = tuple[int, int]
+"""A step-less version's place: (the highest step known when it arrived, its arrival number)."""
 
 _DIGITS = re.compile(r"([0-9]+)")
 _PLACED = re.compile(r"(?P<base>.+)@(?P<fingerprint>[0-9a-f]{16})")
@@ -42,7 +48,7 @@ def base_name(directory: str) -> str:
     return split_placed(directory)[0]
 
 
-def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
+def natural_key(name: str) -> NaturalKey:
     """`step-9` < `step-10`: runs of ASCII digits compare as numbers, the rest (other
     scripts' digits included) as text."""
     return tuple(
@@ -50,8 +56,18 @@ def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
     )
 
 
-def order_key(name: str, step: int | None) -> OrderKey:
-    return (0 if step is None else 1, step or 0, natural_key(name))
+def order_key(name: str, step: int | None, arrival: Arrival | None = None) -> OrderKey:
+    if step is not None:
+        return (1, step, 0, natural_key(name))
+    if arrival is not None:  # after every version of its floor's step, in arrival order
+        return (1, arrival[0], 1, ((0, arrival[1]),))
+    return (0, 0, 0, natural_key(name))
+
+
+def highest_step(keys: Iterable[OrderKey | None]) -> int:
+    """The highest step among these places (a step-less arrival's floor counts): the floor of
+    a version arriving now."""
+    return max((key[1] for key in keys if key is not None and key[0] == 1), default=0)
 
 
 @dataclass(frozen=True)
@@ -63,6 +79,8 @@ class Candidate:
     """What its content is (`completeness.fingerprint`), "" while nothing readable says."""
     published: float = math.inf
     """When this copy of its name was placed (a directory's mtime); inf: the store's current one."""
+    arrival: Arrival | None = None
+    """With no step: when it arrived (None: before anything watched)."""
 
     @property
     def base(self) -> str:
@@ -70,7 +88,7 @@ class Candidate:
 
     @property
     def key(self) -> OrderKey:
-        return order_key(self.base, self.step)
+        return order_key(self.base, self.step, self.arrival)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import stat
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
@@ -23,6 +23,7 @@ from ..checkpoint.manifest import MANIFEST_NAME
 from ..checkpoint.manifest import parse as parse_manifest
 from ..errors import ManifestInvalid, NotJSONYet
 from ..sources import local
+from ..sources.arrivals import Arrivals
 from .reconcile import version_of
 from .state import Loaded, Rejection
 
@@ -49,8 +50,15 @@ class Catalog:
         convention: Convention,
         rejected: dict[str, Rejection],
         pinned: str | None,
+        arrivals: Arrivals,
+        serving: Callable[[], order.Serving],
+        remote: bool = False,
     ) -> None:
+        """`arrivals`: when each step-less version arrived (the record store's, shared with the
+        object-store thread, which forgets its names when `remote`); `serving`: what the canary
+        engine serves now (a version arriving is newer than it)."""
         self.root, self.ignore, self.convention = root, tuple(ignore), convention
+        self.arrivals, self.serving, self.remote = arrivals, serving, remote
         self.candidates: dict[str, order.Candidate] = {}
         self.pending: dict[str, str] = {}
         """name → why it waits, for candidates worth trying (logged once per reason)."""
@@ -75,12 +83,16 @@ class Catalog:
         """Those said to be passed over, while they stay so: name → why (for `status`)."""
         self.log = log.get()
 
-    def configure(self, root: Path, ignore: Iterable[str], convention: Convention) -> None:
-        self.root, self.ignore, self.convention = root, tuple(ignore), convention
+    def configure(self, root: Path, ignore: Iterable[str], convention: Convention, remote: bool) -> None:
+        self.root, self.ignore, self.convention, self.remote = root, tuple(ignore), convention, remote
 
     def rescan(self) -> None:
         """Every directory in the root, and every candidate known (it may be gone)."""
         self.refresh(local.list_candidates(self.root, self.ignore) | set(self.candidates))
+        if not self.last_scan:
+            if not self.remote:  # names gone while the daemon was down
+                self.arrivals.keep_only({c.base for c in self.candidates.values()})
+            self.arrivals.started()
         self.last_scan = time.time()
 
     def refresh_dirty(self) -> None:
@@ -104,9 +116,20 @@ class Catalog:
                     self.arrived.add(name)
                 else:  # the first listing: one line per folder at every start is noise
                     self.log.debug("checkpoint.seen", name=name, path=str(directory))
-            self.candidates[name] = _peek(name, directory, self.convention)
+            found = _peek(name, directory, self.convention)
+            if found.step is None:  # a step-less version orders by when it arrived
+                floor = order.highest_step([*(c.key for c in self.candidates.values()), self.serving().key])
+                found = self.arrivals.placed(found, floor=floor, first=not self.last_scan)
+            self.candidates[name] = found
 
     def forget(self, name: str) -> None:
+        gone = self.candidates.get(name)
+        if (
+            gone is not None
+            and not self.remote
+            and not any(c.base == gone.base for n, c in self.candidates.items() if n != name)
+        ):
+            self.arrivals.forget(gone.base)  # back later: it arrives again
         self.arrived.discard(name)
         self.passed_over.pop(name, None)
         self.candidates.pop(name, None)
@@ -166,7 +189,8 @@ class Catalog:
             self.arrived.discard(name)
             if found.fingerprint in self.rejected_view.get(found.base, ()):
                 continue
-            step = "no step" if found.step is None else f"step {found.step}"
+            step = f"step {found.step}" if found.step is not None else "no step"
+            step += f", arrived after step {found.arrival[0]}" if found.arrival is not None else ""
             reason = f"{step}, not newer than {serving.name}: {ORDER_RULE}"
             fix = f"`vllm-reloader pin {name}` loads it; or publish it with a higher --step"
             self.passed_over[name] = f"{reason}; {fix}"
@@ -303,7 +327,8 @@ def _fingerprints(rejected: Mapping[str, Rejection]) -> Mapping[str, frozenset[s
 
 ORDER_RULE = (
     "checkpoints order by step (a manifest's; else Trainer's global_step, or the number a "
-    "checkpoint-N / step-N name ends in), then name; one with no step sorts before every stepped one"
+    "checkpoint-N / step-N name ends in), then name; one with no step orders after the highest "
+    "step known when it arrived (one there before the daemon first ran: before every stepped one)"
 )
 
 

@@ -74,11 +74,9 @@ class Loads:
             return None
         if (restore := engine.restore) is not None:  # it may be paused: nothing would drain
             engine.restore = None
-            return self._work(
-                engine, order.Candidate(restore.name, restore.step, ""), restore, 0, restore=True
-            )
+            return self._work(engine, restore.candidate(), restore, 0, restore=True)
         if (back := self.recalls.plan(engine, now, self.rollback_target)) is not None:
-            work = self._work(engine, order.Candidate(back.name, back.step, ""), back, 0, restore=True)
+            work = self._work(engine, back.candidate(), back, 0, restore=True)
             assert isinstance(work.run, Job)
             self.recalls.started(engine, work.run)
             return work
@@ -91,7 +89,7 @@ class Loads:
             return None
         serving = engine.served.serving
         engine.log.info("engine.behind", version=want.version, serving=serving and serving.version)
-        return self._work(engine, order.Candidate(want.name, want.step, ""), want, 0)
+        return self._work(engine, want.candidate(), want, 0)
 
     def _advance(self, canary: Engine, now: float) -> Work | None:
         """The canary engine loads a verdict of `ready`, once a better rollback target being

@@ -133,6 +133,7 @@ def decide(outcome: Outcome, *, now: float) -> Decision:
         step=job.candidate.step,
         files=files,
         fingerprint=_fingerprint(job),
+        arrival=job.candidate.arrival,
     )
     seconds = outcome.seconds
     events.append(
@@ -215,6 +216,7 @@ def _canary_failed(outcome: Outcome, events: list[Event], owed: bool, now: float
         since=now,
         step=job.candidate.step,
         fingerprint=_fingerprint(job),
+        arrival=job.candidate.arrival,
     )
     return Decision("failed", tuple(events), owed, reject=reject, serving=stays, set_serving=True)
 

@@ -33,6 +33,7 @@ def remote(config: Config, reloader: Reloader, post: Callable[[Message], None]) 
         rejected=reloader.catalog.rejected_fingerprints,
         post=post,
         records=reloader.records,
+        arrivals=reloader.arrivals,
         verified_files=reloader.gater.cache,
         serves=lambda: fleet.served_content(reloader.engines),  # a follower checks them
     )

@@ -58,7 +58,10 @@ def _stepped(known: Loaded, candidates: Mapping[str, order.Candidate]) -> Loaded
     candidate = candidates.get(known.name)
     same = candidate is not None and bool(known.fingerprint) and candidate.fingerprint == known.fingerprint
     step = candidate.step if same and candidate else name_says_step(order.base_name(known.name))
-    return known if step is None else known.model_copy(update={"step": step})
+    if step is None:  # still none: its place is its arrival's, if it has one
+        arrival = known.arrival or (candidate.arrival if same and candidate else None)
+        return known.model_copy(update={"arrival": arrival})
+    return known.model_copy(update={"step": step})
 
 
 def serving(
@@ -93,6 +96,7 @@ def serving(
             step=candidate.step if candidate else None,
             in_root=in_root,
             fingerprint=candidate.fingerprint if candidate else "",
+            arrival=candidate.arrival if candidate else None,
         )
     if known is not None and known.version == engine_version:
         if trusted or not _other_content(engine_version, known, root, candidates):
@@ -108,6 +112,7 @@ def serving(
                 since=now,
                 step=candidate.step,
                 fingerprint=candidate.fingerprint,
+                arrival=candidate.arrival,
             )
     return Loaded(name=engine_version, version=engine_version, path=startup, since=now, in_root=False)
 

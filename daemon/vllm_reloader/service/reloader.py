@@ -21,6 +21,7 @@ from ..checkpoint import gate, order
 from ..config import Config
 from ..engine.client import EngineClient
 from ..records import RecordStore
+from ..sources.arrivals import Arrivals
 from ..sources.verdicts import Verdict
 from . import fleet, rollout, status
 from .book import Book
@@ -54,12 +55,16 @@ class Reloader:
         state = StateRecords(records, self.log)
         convention = gate.GateOptions.from_config(config).convention
         saved = with_fingerprints(state.saved, convention)
+        self.arrivals = Arrivals(records)
         self.catalog = Catalog(
             config.checkpoint_root,
             ignore=config.source.ignore,
             convention=convention,
             rejected=saved.rejected,
             pinned=saved.pinned,
+            arrivals=self.arrivals,
+            serving=lambda: self.served.serving_key(),
+            remote=config.source.remote,
         )
         self.metrics = Metrics()
         self.engines = Engines(
@@ -126,9 +131,8 @@ class Reloader:
         """SIGHUP: follow the new config (engines reconciled again, added or dropped by `urls`)."""
         old, self.config = self.config, config
         self.loads.config = config
-        self.catalog.configure(
-            config.checkpoint_root, config.source.ignore, gate.GateOptions.from_config(config).convention
-        )
+        convention = gate.GateOptions.from_config(config).convention
+        self.catalog.configure(config.checkpoint_root, config.source.ignore, convention, config.source.remote)
         if config.source != old.source or config.state != old.state:
             self.next_rescan = 0.0
         if config.engine != old.engine:
@@ -216,11 +220,12 @@ class Reloader:
             )
             self.catalog.pending.pop(name, None)
             path, files = str(finished.gating.directory), dict(verdict.files)
+            arrival = finished.gating.candidate.arrival if step is None else None
             loading = Loaded(
                 name=name, version=version, path=path, since=0, step=step, files=files,
-                fingerprint=verdict.fingerprint,
+                fingerprint=verdict.fingerprint, arrival=arrival,
             )  # fmt: skip
-            candidate = order.Candidate(name, step, verdict.fingerprint)
+            candidate = loading.candidate(verdict.fingerprint)
             self.loads.ready = Ready(candidate, loading, size, host_scanned=finished.gating.scans)
 
     def reverified(self, result: Reverified) -> None:

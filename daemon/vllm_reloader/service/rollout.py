@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from ..checkpoint import order
 from .served import Served, serving_of
 from .state import Loaded
 
@@ -58,7 +57,7 @@ def behind(serving: Loaded | None, want: Loaded | None, pinned: str | None) -> b
         return True
     if not want.in_root:
         return False
-    want_as = order.Candidate(want.name, want.step, want.fingerprint)
+    want_as = want.candidate(want.fingerprint)
     return serving_of(serving).replaced_by(want_as)
 
 

@@ -23,7 +23,7 @@ def serving_of(loaded: Loaded | None, history: tuple[Loaded, ...] = ()) -> order
     if loaded is None or not loaded.in_root:
         return order.NOTHING
     base = order.base_name(loaded.name)
-    key = order.order_key(base, loaded.step)
+    key = order.order_key(base, loaded.step, loaded.arrival)
     before = frozenset(g.fingerprint for g in history if order.base_name(g.name) == base and g.fingerprint)
     return order.Serving(key, loaded.name, loaded.fingerprint, before)
 

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from .. import log as log_mod
+from ..checkpoint import order
 from ..records import NAME, RecordStore
 
 
@@ -35,6 +36,13 @@ class Loaded(BaseModel):
     fingerprint: str = ""
     """What the version is: its content's fingerprint (`completeness.fingerprint`; "" for the
     startup model and for state files written before versions were content)."""
+    arrival: tuple[int, int] | None = None
+    """With no step: its place by arrival (`order.Arrival`), kept with it so what serves keeps
+    its place whatever happens to the arrivals' table."""
+
+    def candidate(self, fingerprint: str = "") -> order.Candidate:
+        """As a candidate is ordered (content: `fingerprint`, "" when only the order counts)."""
+        return order.Candidate(self.name, self.step, fingerprint, arrival=self.arrival)
 
 
 class Rejection(BaseModel):

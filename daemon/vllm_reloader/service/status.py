@@ -146,7 +146,7 @@ def answer(snapshot: Snapshot) -> dict[str, Any]:
 
 def line(snapshot: Snapshot) -> str:
     """One line for systemd's STATUS=: what is served, since when, what waits, and whether a
-    failed reload has anything to go back to."""
+    failed reload has anything to go back to. It changes only when one of those does."""
     serving = snapshot.serving
     parts = [
         f"serving {serving.version} since {time.strftime('%H:%M:%S', time.localtime(serving.since))}"
@@ -160,7 +160,8 @@ def line(snapshot: Snapshot) -> str:
         parts.append(f"{serving_count}/{len(snapshot.engines)} engines serving")
     parts.append(f"{len(snapshot.pending)} pending")
     if snapshot.last_scan:
-        parts.append(f"last scan {time.time() - snapshot.last_scan:.0f} s ago")
+        # A time, not an age: the line (one datagram each time it changes) stays still between scans.
+        parts.append(f"last scan {time.strftime('%H:%M:%S', time.localtime(snapshot.last_scan))}")
     if snapshot.source_failing:
         parts.append("object store failing")
     if snapshot.serving is not None and snapshot.rollback is None:

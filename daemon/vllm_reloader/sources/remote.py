@@ -32,6 +32,7 @@ from ..errors import Cancelled, DownloadError, SourceError
 from ..records import RecordStore
 from ..threads import LoopWorker
 from . import cache, local, verdicts
+from .arrivals import Arrivals
 from .content import SOURCE_HOLDER, ContentStore
 from .download import Fetched, Plan, fetch, remember
 from .listing import BucketListing, HeaderSizes, by_head, judge
@@ -89,6 +90,7 @@ class RemoteSource(LoopWorker):
         rejected: Callable[[], Mapping[str, Collection[str]]],
         post: Callable[[SourceEvent], None],
         records: RecordStore,
+        arrivals: Arrivals,
         store: Store | None = None,
         verified_files: verified.Cache | None = None,
         serves: Callable[[], Iterable[tuple[str, str]]] = tuple,
@@ -96,10 +98,16 @@ class RemoteSource(LoopWorker):
         """`verified_files`: where the digests checked while downloading are kept, by the
         placed files' identities, so the local gate does not hash them again. `serves`: what
         the engines here serve, as (name, fingerprint): a follower goes back from one a canary
-        host fails later."""
+        host fails later. `arrivals`: when each step-less version arrived (the daemon's one
+        table: its placed copy in the root orders as it does here)."""
         super().__init__("remote-source", config.source.interval)
         self.config, self.serving, self.rejected, self.post = config, serving, rejected, post
         self.serves = serves
+        self.arrivals = arrivals
+        self.listed = False
+        """A listing was read: step-less versions new after it arrived (`sources.arrivals`)."""
+        self.names: set[str] = set()
+        """The names in the last listing."""
         self.verified_files = verified_files
         self.store = store or Store(config.source.path, endpoint_url=config.source.endpoint_url)
         # Made once, at start (the state dir exists: its lock is held); a download makes its own
@@ -190,6 +198,7 @@ class RemoteSource(LoopWorker):
                 if not local.is_ignored(name, self.config.source.ignore):
                     by_name[name] = self._objects_by_head(name, problem)
             self._refresh({name: objects for name, objects in by_name.items() if objects})
+            self._listed(set(by_name))
             if self.config.rollout.role == "follow":  # what serves here, failed by a canary host since
                 for recalled in self.fleet.recalls(self.serves()):
                     self.post(recalled)
@@ -234,7 +243,7 @@ class RemoteSource(LoopWorker):
                 manifest = None if isinstance(listed, Incomplete) else listed.manifest
                 self._reject(name, manifest, verdict)
         for name, reason in self.unsignalled.items():  # what would load next, once complete
-            if self.serving().replaced_by(order.Candidate(name, None, "")):
+            if self.serving().replaced_by(self._arrived(order.Candidate(name, None, ""))):
                 self._waiting(name, reason, waiting)
         self.pending = waiting
         self._clear("source")  # the whole round read what it needed (a failed header read is no recovery)
@@ -301,7 +310,9 @@ class RemoteSource(LoopWorker):
             if signal != SINGLE_NAME and listed.size > MAX_LISTING_BYTES:  # never read whole
                 problem = f"{signal} has {listed.size} bytes; more than {MAX_LISTING_BYTES} is not one"
                 fp = completeness.fingerprint_of(f"{signal}\0{listed.size}\0{listed.etag}".encode())
-                self.seen[name] = Seen(signal, listed.etag, b"", order.Candidate(name, None, fp), problem)
+                self.seen[name] = Seen(
+                    signal, listed.etag, b"", self._arrived(order.Candidate(name, None, fp)), problem
+                )
                 continue
             if known is not None and known.signal == signal and known.etag == listed.etag is not None:
                 data, etag = known.data, known.etag
@@ -310,7 +321,23 @@ class RemoteSource(LoopWorker):
             else:
                 data, etag = self.store.get(f"{name}/{signal}")
             listing = self._listing(name, objects, signal, data)
-            self.seen[name] = Seen(signal, etag, data, completeness.candidate(name, listing, self.convention))
+            found = completeness.candidate(name, listing, self.convention)
+            self.seen[name] = Seen(signal, etag, data, self._arrived(found))
+
+    def _listed(self, names: set[str]) -> None:
+        """The arrivals of the names no longer listed are forgotten (back later: newer)."""
+        if not self.listed:
+            self.arrivals.keep_only(names)
+        for gone in self.names - names:
+            self.arrivals.forget(gone)
+        self.listed, self.names = True, names
+
+    def _arrived(self, candidate: order.Candidate) -> order.Candidate:
+        """With its arrival, when it has no step (newer than the highest step known now)."""
+        if candidate.step is not None:
+            return candidate
+        floor = order.highest_step([*(s.candidate.key for s in self.seen.values()), self.serving().key])
+        return self.arrivals.placed(candidate, floor=floor, first=not self.listed)
 
     def _reject(self, name: str, manifest: Manifest | None, verdict: Incomplete) -> None:
         fp = verdict.fingerprint or self.seen[name].fingerprint
