@@ -98,6 +98,20 @@ def test_migrate_imports_everything_the_previous_release_kept_and_renames_its_fi
     assert not list(tmp_path.rglob("*.json")), "each file kept, renamed"
     migrate.migrate(records, tmp_path, structlog.get_logger())  # the next start: nothing twice
     assert len(records.outbox("checkpoints")) == 1
+    assert not [e for e in logs if e["event"] == "config.default_changed"], "the config set completeness"
+
+
+def test_migrate_says_once_that_the_completeness_default_changed_when_the_config_leaves_it_unset(tmp_path):
+    """The oldest release with state.json waited for a manifest by default; this one loads a
+    Trainer's checkpoint once whole: an upgrade with the same config must not change that unsaid."""
+    previous_release(tmp_path)
+    records = open_records(tmp_path)
+    with capture_logs() as logs:
+        migrate.migrate(records, tmp_path, structlog.get_logger(), completeness_unset=True)
+        migrate.migrate(records, tmp_path, structlog.get_logger(), completeness_unset=True)
+    [said] = [e for e in logs if e["event"] == "config.default_changed"]
+    assert said["log_level"] == "warning" and said["key"] == "[source] completeness"
+    assert 'completeness = "manifest"' in said["fix"]
 
 
 @pytest.mark.parametrize("name", ["state.json", "adapters.json", "unwritten-verdicts.json"])

@@ -83,7 +83,8 @@ class Daemon:
         self.notifier = notifier or Notifier()
         paths.check(config)  # before the record store is read or the socket made
         self.records = RecordStore.open(config.state.dir, self.log)
-        migrate(self.records, config.state.dir, self.log)
+        unset = "completeness" not in config.source.model_fields_set
+        migrate(self.records, config.state.dir, self.log, completeness_unset=unset)
         self.content = ContentStore(self.records, self.log)
         self.content.forget_holders()  # of a process gone: each owner declares its own anew
         if config.source.remote:

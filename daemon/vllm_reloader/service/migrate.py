@@ -36,11 +36,13 @@ FLEETS = {"checkpoints": Path("."), "adapters": Path("adapter-fleet")}
 """Each fleet's folder in the state dir, in the previous release."""
 
 
-def migrate(records: RecordStore, directory: Path, log: Any) -> None:
+def migrate(records: RecordStore, directory: Path, log: Any, *, completeness_unset: bool = False) -> None:
     """Whatever JSON files are there are imported, each time they are: at the first start after
     an upgrade, and after going back a release and forward again (that release wrote its facts
     there since: they are the newer ones). A crash between the import and the renames imports
-    the same again, harmlessly (a verdict written twice is found there, and kept)."""
+    the same again, harmlessly (a verdict written twice is found there, and kept).
+    `completeness_unset`: the config leaves `[source] completeness` at its default, which was
+    `manifest` in the oldest of those releases: said once, at the import."""
     files = _files(directory)
     if not files:
         if records.meta(IMPORTED) is None:
@@ -72,6 +74,15 @@ def migrate(records: RecordStore, directory: Path, log: Any) -> None:
         return
     _rename(directory, files)
     log.info("state.migrated", path=str(records.path), imported=found, renamed_to=f"<name>{MIGRATED}")
+    if completeness_unset and "state.json" in found:
+        log.warning(
+            "config.default_changed",
+            key="[source] completeness",
+            now="auto",
+            before="manifest",
+            reason="checkpoints without a manifest (a Trainer's, save_pretrained's) now load once whole",
+            fix='set [source] completeness = "manifest" to load only published checkpoints, as before',
+        )
 
 
 def _adapter_rejections(data: bytes) -> dict[str, str]:
