@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -302,6 +304,9 @@ def test_e2e_follower_loads_an_adapter_only_once_a_canary_host_passed_it_and_goe
             bucket.put(f"adapters/delta/step-1/{file}", (version / file).read_bytes())
         waiting = daemon.wait_for("adapter.waiting", adapter="delta", timeout=60)
         assert "delta" not in client.adapters(), "not loaded before a canary host passed it"
+        command = [sys.executable, "-m", "vllm_reloader", "status", "--config", str(config)]
+        shown = subprocess.run(command, capture_output=True, text=True, timeout=60).stdout
+        assert "waiting step-1: waiting for canary hosts" in shown, shown
         canary_host.add(verdicts.Verdict("delta", "step-1", waiting["fingerprint"], True))
         assert canary_host.write_queued()
         daemon.wait_for("adapter.loaded", adapter="delta", version="step-1", timeout=60)

@@ -64,6 +64,7 @@ def test_a_follower_posts_a_version_only_once_a_canary_host_passed_it(bucket, tm
         follower.source.scan()
         follower.source.scan()
     assert follower.ready() == []
+    assert follower.source.waiting == {"support": {"step-1": "waiting for canary hosts: 0 of 1 passed"}}
     assert [e["reason"] for e in logs if e["event"] == "adapter.waiting"] == [
         "waiting for canary hosts: 0 of 1 passed"
     ], "said once"
@@ -76,6 +77,7 @@ def test_a_follower_posts_a_version_only_once_a_canary_host_passed_it(bucket, tm
     assert records == [f"support/_verdicts/{passed.copy.fingerprint}/canary-1.passed.json"]
     follower.source.scan()
     assert follower.ready() == ["step-1"], "the same bytes: the same fingerprint on both hosts"
+    assert follower.source.waiting == {}, "status no longer shows it waiting"
     assert [m.version for m in gated(canary.found)] == ["step-0", "step-1"], "records are no versions"
     assert follower.source._judged[("support", "step-0")].waiting is None, "older: never asked now"
 

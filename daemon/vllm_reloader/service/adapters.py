@@ -307,17 +307,20 @@ class Adapters:
         return found.version if found else None
 
     def snapshot(self, engines: list[Engine]) -> dict[str, Any]:
-        """For `status`: per adapter, the newest passed, the last good, what each engine holds."""
-        held = self.facts.held
+        """For `status`: per adapter, the newest passed, the last good, what each engine holds,
+        and (a follower's) the version waiting for the canary hosts."""
+        held, known = self.facts.held, self.facts.known
+        waiting = self.source.waiting if self.source is not None else {}
         return {
             name: {
-                "newest": state.newest.version if state.newest else None,
-                "last_good": state.good.version if state.good else None,
+                "newest": state.newest.version if (state := known.get(name)) and state.newest else None,
+                "last_good": state.good.version if state and state.good else None,
                 "engines": {e.url: self._version_of((held.get(e.url) or {}).get(name)) for e in engines},
-                "last_reload": state.last_reload,
-                "rejected": dict(state.rejected),
+                "last_reload": state.last_reload if state else None,
+                "rejected": dict(state.rejected) if state else {},
+                "waiting": dict(waiting.get(name, {})),
             }
-            for name, state in sorted(self.facts.known.items())
+            for name in sorted({*known, *waiting})
         }
 
 

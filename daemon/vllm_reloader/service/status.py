@@ -271,4 +271,7 @@ def render(answer: dict[str, Any]) -> str:
         lines.extend(
             f"          rejected {version}: {reason}" for version, reason in found["rejected"].items()
         )
+        lines.extend(
+            f"          waiting {version}: {reason}" for version, reason in found.get("waiting", {}).items()
+        )
     return "\n".join(printable(text) for text in lines)

@@ -21,7 +21,7 @@ import itertools
 import os
 import queue
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,6 +122,9 @@ class AdapterSource(LoopWorker):
         """Its lease: the copies of the versions it judged in their present content."""
         self._forgotten = forgotten or queue.SimpleQueue()
         self._judged: dict[tuple[str, str], _Judged] = {}
+        self.waiting: Mapping[str, Mapping[str, str]] = {}
+        """A follower's: adapter → its newest version waiting for the canary hosts → why (for
+        `status`; replaced whole at each turn, so another thread reads it as it is)."""
         self._retry: Backoff[tuple[str, str]] = Backoff(RETRY)
         """(adapter, version) judged again once its wait is over (a failure that blamed nothing)."""
         self._said: set[tuple[object, ...]] = set()
@@ -246,6 +249,7 @@ class AdapterSource(LoopWorker):
         hosts the newest asked about (one older is asked once that one failed, never once it
         passed: an older one is never loaded then); recalls."""
         newest: dict[str, tuple[tuple[str, str], AdapterGated]] = {}
+        waiting_now: dict[str, dict[str, str]] = {}
         for where, judged in self._judged.items():
             if (waiting := judged.waiting) is not None and (
                 where[0] not in newest or waiting.order > newest[where[0]][1].order
@@ -255,6 +259,7 @@ class AdapterSource(LoopWorker):
             assert waiting.copy is not None
             status, why = fleet.clearance(waiting.adapter, waiting.copy.fingerprint)
             if status == "waiting":
+                waiting_now.setdefault(where[0], {})[where[1]] = why
                 fingerprint = waiting.copy.fingerprint
                 self._said_info(
                     "adapter.waiting", adapter=where[0], version=where[1], fingerprint=fingerprint, reason=why
@@ -269,6 +274,7 @@ class AdapterSource(LoopWorker):
             else:
                 verdict = adapter.AdapterVerdict("rejected", why, "fleet")
                 self._tell(dataclasses.replace(waiting, verdict=verdict, copy=None))
+        self.waiting = waiting_now
         for recalled in fleet.tend(self._holds()):
             self._tell(recalled)
 
