@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 
@@ -295,14 +296,17 @@ def test_daemon_serves_a_copy_with_no_step_that_arrives_after_a_stepped_version_
     first.stop()
     first.wait_for("daemon.stopped")
     assert state.load(tmp_path / "state").serving.arrival == (1, 1)  # type: ignore[union-attr]
-    write_weights(root / "while-down", seed=3)  # new since the last run: it arrived after
+    make_checkpoint("step-2", step=2, root=root)  # both new since the last run: which came
+    write_weights(root / "while-down", seed=3)  # first is unknown, so the step-less one is newer
+    for written in [*(root / "while-down").iterdir(), root / "while-down"]:  # quiet: whole at once
+        os.utime(written, (time.time() - 60, time.time() - 60))
     calls = len(engine.calls)
     second = start(engine, settle_seconds=0.3)
     second.wait_for("reload.succeeded", version="while-down")
-    make_checkpoint("step-2", step=2, root=root)  # a higher step is newer than both
-    second.wait_for("reload.succeeded", version="step-2")
+    make_checkpoint("step-3", step=3, root=root)  # a higher step is newer than all
+    second.wait_for("reload.succeeded", version="step-3")
     loads = [c for c in engine.calls[calls:] if c.startswith("reload:")]
-    assert loads == [f"reload:{root / 'while-down'}", f"reload:{root / 'step-2'}"]
+    assert loads == [f"reload:{root / 'while-down'}", f"reload:{root / 'step-3'}"]
     assert f"reload:{root / 'old-export'}" not in engine.calls, "there before: nothing says it is newer"
     assert not first.events("checkpoint.passed_over") and not second.events("checkpoint.passed_over")
 

@@ -127,6 +127,21 @@ def test_daemon_rejects_a_manifest_too_large_to_read_copied_in_after_a_stepped_v
     assert "larger than 16777216 bytes" in rejected["reason"], rejected
 
 
+def test_daemon_a_rejected_checkpoints_step_holds_back_nothing_that_arrives_after_it(
+    start, root, make_checkpoint
+):
+    """A step-less copy arrives after the highest step known: a rejected one's is not known."""
+    make_checkpoint("step-1", step=1, root=root)
+    running = start(FakeEngine(startup=str(root / "step-1")), settle_seconds=0.3)
+    running.wait_for("engine.reconciled", version="step-1")
+    _huge_step(root)  # step-5 naming step 10**30: rejected
+    running.wait_for("checkpoint.rejected", name="step-5")
+    write_weights(root / "final", seed=3)
+    running.wait_for("reload.succeeded", version="final")
+    make_checkpoint("step-2", step=2, root=root, seed=2)
+    running.wait_for("reload.succeeded", version="step-2")
+
+
 @pytest.mark.parametrize("kind", sorted(ODD))
 def test_daemon_refuses_odd_input_and_loads_the_next_good_checkpoint(
     start, root, tmp_path, make_checkpoint, kind

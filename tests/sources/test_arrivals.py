@@ -1,4 +1,4 @@
-"""When each step-less version arrived: the record store's table, across restarts."""
+"""When each step-less version arrived: the record store's table, by source, across restarts."""
 
 from __future__ import annotations
 
@@ -6,65 +6,97 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.records import open_records
+from tests.support.records import fill_disk, open_records
 from vllm_reloader.checkpoint import order
 from vllm_reloader.sources import arrivals
 from vllm_reloader.sources.arrivals import Arrivals
 
-
-def stepless(name: str) -> order.Candidate:
-    return order.Candidate(name, None, "fp-" + name)
+ROOT = "/srv/checkpoints"
 
 
-def test_arrivals_leave_what_a_fresh_state_first_lists_unordered_and_place_what_comes_after(tmp_path):
+def stepless(name: str, fingerprint: str | None = None) -> order.Candidate:
+    return order.Candidate(name, None, fingerprint if fingerprint is not None else "fp-" + name)
+
+
+def place(table: Arrivals, *found: order.Candidate, floor: int, first: bool = False) -> list[object]:
+    placed = table.place(ROOT, found, floor=floor, first=first)
+    return [placed[c.name].arrival for c in found]
+
+
+def test_arrivals_leave_what_a_fresh_source_first_lists_unordered_and_place_what_comes_after(tmp_path):
     table = Arrivals(open_records(tmp_path))
-    assert table.placed(stepless("there-before"), floor=5, first=True).arrival is None
-    table.started()
-    came = table.placed(stepless("final"), floor=5, first=False)
-    later = table.placed(stepless("final-2"), floor=5, first=False)
-    assert came.arrival == (5, 1) and later.arrival == (5, 2)
+    assert place(table, stepless("there-before"), floor=5, first=True) == [None]
+    table.started(ROOT)
+    came, later = stepless("final"), stepless("final-2")
+    assert place(table, came, floor=5) == [(5, 1)] and place(table, later, floor=5) == [(5, 2)]
     assert (
-        order.Candidate("step-5", 5, "x").key < came.key < later.key < order.Candidate("step-6", 6, "y").key
+        order.Candidate("step-5", 5, "x").key
+        < order.order_key("final", None, (5, 1))
+        < order.order_key("final-2", None, (5, 2))
+        < order.Candidate("step-6", 6, "y").key
     )
     assert stepless("there-before").key < order.Candidate("step-1", 1, "z").key
 
 
-def test_arrivals_are_remembered_across_a_restart_and_a_name_keeps_its_place(tmp_path):
+def test_arrivals_are_remembered_across_a_restart_and_the_same_bytes_keep_their_place(tmp_path):
     records = open_records(tmp_path)
     first = Arrivals(records)
-    first.started()
-    placed = first.placed(stepless("final"), floor=7, first=True)  # the state had none: fresh
-    assert placed.arrival is None
-    assert first.placed(stepless("after"), floor=7, first=False).arrival == (7, 1)
+    assert place(first, stepless("final"), floor=7, first=True) == [None]  # fresh: there before
+    first.started(ROOT)
+    assert place(first, stepless("after"), floor=7) == [(7, 1)]
     records.close()
     again = Arrivals(open_records(tmp_path))
-    assert not again.fresh, "a restart's first listing is not a new host's"
-    assert again.placed(stepless("new-while-down"), floor=9, first=True).arrival == (9, 2)
-    assert again.placed(stepless("after"), floor=100, first=False).arrival == (7, 1)
-    assert again.of("after@0123456789abcdef") == (7, 1), "a placed download is its name's"
+    assert not again.fresh(ROOT), "a restart's first listing is not a new host's"
+    assert place(again, stepless("new-while-down"), floor=9, first=True) == [(9, 2)]
+    assert place(again, stepless("after"), floor=100) == [(7, 1)]
+    assert place(again, stepless("final"), floor=100) == [None], "there before, still"
+    assert again.of(ROOT, "after@0123456789abcdef") == (7, 1), "a placed download is its name's"
+    assert again.fresh("s3://other/prefix"), "another source starts afresh"
+    assert again.of("s3://other/prefix", "after") is None
 
 
-def test_arrivals_give_a_stepped_candidate_no_arrival(tmp_path):
+def test_arrivals_a_name_written_again_with_other_bytes_arrives_again(tmp_path):
+    """`save_model` writing `final` over itself after step-600 served: newer again."""
     table = Arrivals(open_records(tmp_path))
-    stepped = order.Candidate("step-3", 3, "fp")
-    assert table.placed(stepped, floor=9, first=False) is stepped
-    assert table.snapshot() == {}
+    table.started(ROOT)
+    assert place(table, stepless("final", "a"), floor=500) == [(500, 1)]
+    assert place(table, stepless("final", ""), floor=600) == [(500, 1)], "being written: its place kept"
+    assert place(table, stepless("final", "b"), floor=600) == [(600, 2)]
+    assert place(table, stepless("final", "b"), floor=700) == [(600, 2)]
 
 
-@pytest.mark.parametrize("stored", ['"text"', "[1]", '[1, "2"]', "[true, 2]", "{}"])
-def test_arrivals_read_an_odd_stored_row_as_none(tmp_path: Path, stored: str):
-    records = open_records(tmp_path)
-    records._db.execute("INSERT INTO facts VALUES (?, ?, ?)", (arrivals.KIND, "odd", stored))
-    assert Arrivals(records).of("odd") is None
+def test_arrivals_take_one_floor_for_a_whole_look_whatever_its_order(tmp_path):
+    table = Arrivals(open_records(tmp_path))
+    table.started(ROOT)
+    batch = [stepless("zeta"), order.Candidate("step-500", 500, "s"), stepless("alpha")]
+    placed = table.place(ROOT, batch, floor=500, first=False)
+    assert sorted(placed) == ["alpha", "zeta"], "a stepped one takes no arrival"
+    assert {placed[n].arrival[0] for n in placed} == {500}  # type: ignore[index]
 
 
-def test_arrivals_forget_a_name_its_source_no_longer_has_and_place_it_anew_when_back(tmp_path):
+def test_arrivals_keep_nothing_a_full_disk_refused_and_place_it_again(tmp_path, monkeypatch):
     records = open_records(tmp_path)
     table = Arrivals(records)
-    table.started()
-    assert table.placed(stepless("final"), floor=1, first=False).arrival == (1, 1)
-    table.placed(stepless("other"), floor=1, first=False)
-    table.forget("final")
-    assert table.placed(stepless("final"), floor=4, first=False).arrival == (4, 3), "back: it arrived again"
-    table.keep_only({"other"})
-    assert sorted(records.all(arrivals.KIND)) == ["other"]
+    table.started(ROOT)
+    full = fill_disk(records, monkeypatch, at_commit=True)
+    assert place(table, stepless("final"), floor=3) == [(3, 1)]
+    assert full.refused and table.of(ROOT, "final") is None, "not remembered: not written"
+    monkeypatch.setattr(records, "_db", full.real)
+    assert place(table, stepless("final"), floor=4) == [(4, 2)]
+    assert Arrivals(records).of(ROOT, "final") == (4, 2)
+
+
+@pytest.mark.parametrize(
+    ("key", "stored"),
+    [
+        ('["/r", "odd"]', '"text"'),
+        ('["/r", "odd"]', '{"arrival": [1]}'),
+        ('["/r", "odd"]', '{"arrival": [true, 2]}'),
+        ("odd", '{"arrival": [1, 2]}'),
+        ('["/r"]', '{"arrival": [1, 2]}'),
+    ],
+)
+def test_arrivals_read_an_odd_stored_row_as_none(tmp_path: Path, key: str, stored: str):
+    records = open_records(tmp_path)
+    records._db.execute("INSERT INTO facts VALUES (?, ?, ?)", (arrivals.KIND, key, stored))
+    assert Arrivals(records).of("/r", "odd") is None

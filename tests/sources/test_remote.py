@@ -751,7 +751,7 @@ def test_remote_downloads_a_version_with_no_step_uploaded_after_the_stepped_one_
     bucket.upload_dir(make_checkpoint("final", root=tmp_path / "src", seed=3), "final")  # no step
     harness.source.poll()
     assert harness.fetched() == ["step-1", "final"], "listed after step-1: newer; 'there' was there first"
-    assert harness.source.arrivals.of("final") == (1, 1)
+    assert harness.source.arrivals.of(bucket.url, "final") == (1, 1)
 
 
 def test_remote_name_too_long_for_the_filesystem_is_rejected_once_and_older_ones_load(

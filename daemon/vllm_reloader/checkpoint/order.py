@@ -64,10 +64,13 @@ def order_key(name: str, step: int | None, arrival: Arrival | None = None) -> Or
     return (0, 0, 0, natural_key(name))
 
 
-def highest_step(keys: Iterable[OrderKey | None]) -> int:
-    """The highest step among these places (a step-less arrival's floor counts): the floor of
-    a version arriving now."""
-    return max((key[1] for key in keys if key is not None and key[0] == 1), default=0)
+def floor_of(
+    candidates: Iterable[Candidate], serving: OrderKey | None, rejected: Mapping[str, Collection[str]]
+) -> int:
+    """The floor of a step-less version arriving now: the highest step known (a step-less
+    arrival's floor included), what serves included, a rejected content's aside."""
+    keys = [c.key for c in candidates if c.fingerprint not in rejected.get(c.base, ())]
+    return max((key[1] for key in (*keys, serving) if key is not None and key[0] == 1), default=0)
 
 
 @dataclass(frozen=True)

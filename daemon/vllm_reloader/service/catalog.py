@@ -52,13 +52,14 @@ class Catalog:
         pinned: str | None,
         arrivals: Arrivals,
         serving: Callable[[], order.Serving],
+        source: str,
         remote: bool = False,
     ) -> None:
-        """`arrivals`: when each step-less version arrived (the record store's, shared with the
-        object-store thread, which forgets its names when `remote`); `serving`: what the canary
-        engine serves now (a version arriving is newer than it)."""
+        """`arrivals`: when each step-less version arrived, placed here for the root `source`
+        (its configured path), or, when `remote`, by the object-store thread (only read here);
+        `serving`: what the canary engine serves now (a version arriving is newer than it)."""
         self.root, self.ignore, self.convention = root, tuple(ignore), convention
-        self.arrivals, self.serving, self.remote = arrivals, serving, remote
+        self.arrivals, self.serving, self.source, self.remote = arrivals, serving, source, remote
         self.candidates: dict[str, order.Candidate] = {}
         self.pending: dict[str, str] = {}
         """name → why it waits, for candidates worth trying (logged once per reason)."""
@@ -83,16 +84,17 @@ class Catalog:
         """Those said to be passed over, while they stay so: name → why (for `status`)."""
         self.log = log.get()
 
-    def configure(self, root: Path, ignore: Iterable[str], convention: Convention, remote: bool) -> None:
-        self.root, self.ignore, self.convention, self.remote = root, tuple(ignore), convention, remote
+    def configure(
+        self, root: Path, ignore: Iterable[str], convention: Convention, source: str, remote: bool
+    ) -> None:
+        self.root, self.ignore, self.convention = root, tuple(ignore), convention
+        self.source, self.remote = source, remote
 
     def rescan(self) -> None:
         """Every directory in the root, and every candidate known (it may be gone)."""
         self.refresh(local.list_candidates(self.root, self.ignore) | set(self.candidates))
-        if not self.last_scan:
-            if not self.remote:  # names gone while the daemon was down
-                self.arrivals.keep_only({c.base for c in self.candidates.values()})
-            self.arrivals.started()
+        if not self.last_scan and not self.remote:
+            self.arrivals.started(self.source)
         self.last_scan = time.time()
 
     def refresh_dirty(self) -> None:
@@ -100,6 +102,7 @@ class Catalog:
         self.dirty = set()
 
     def refresh(self, names: Iterable[str]) -> None:
+        seen: dict[str, order.Candidate] = {}
         for name in names:
             directory = self.root / name
             if (unusable := local.unusable_name(name)) is not None:
@@ -116,20 +119,23 @@ class Catalog:
                     self.arrived.add(name)
                 else:  # the first listing: one line per folder at every start is noise
                     self.log.debug("checkpoint.seen", name=name, path=str(directory))
-            found = _peek(name, directory, self.convention)
-            if found.step is None:  # a step-less version orders by when it arrived
-                floor = order.highest_step([*(c.key for c in self.candidates.values()), self.serving().key])
-                found = self.arrivals.placed(found, floor=floor, first=not self.last_scan)
-            self.candidates[name] = found
+            seen[name] = _peek(name, directory, self.convention)
+        self.candidates.update(seen)
+        self.candidates.update(self._arrived(seen))
+
+    def _arrived(self, seen: Mapping[str, order.Candidate]) -> dict[str, order.Candidate]:
+        """The step-less ones of one look, with their arrivals (after the highest step known,
+        this look's included; a rejected content's step counts for nothing)."""
+        if self.remote:  # placed as the store listed them
+            return {
+                n: replace(c, arrival=self.arrivals.of(self.source, c.base))
+                for n, c in seen.items()
+                if c.step is None
+            }
+        floor = order.floor_of(self.candidates.values(), self.serving().key, self.rejected_fingerprints())
+        return self.arrivals.place(self.source, seen.values(), floor=floor, first=not self.last_scan)
 
     def forget(self, name: str) -> None:
-        gone = self.candidates.get(name)
-        if (
-            gone is not None
-            and not self.remote
-            and not any(c.base == gone.base for n, c in self.candidates.items() if n != name)
-        ):
-            self.arrivals.forget(gone.base)  # back later: it arrives again
         self.arrived.discard(name)
         self.passed_over.pop(name, None)
         self.candidates.pop(name, None)

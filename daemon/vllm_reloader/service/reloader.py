@@ -64,6 +64,7 @@ class Reloader:
             pinned=saved.pinned,
             arrivals=self.arrivals,
             serving=lambda: self.served.serving_key(),
+            source=str(config.source.path),
             remote=config.source.remote,
         )
         self.metrics = Metrics()
@@ -132,7 +133,8 @@ class Reloader:
         old, self.config = self.config, config
         self.loads.config = config
         convention = gate.GateOptions.from_config(config).convention
-        self.catalog.configure(config.checkpoint_root, config.source.ignore, convention, config.source.remote)
+        source, remote = str(config.source.path), config.source.remote
+        self.catalog.configure(config.checkpoint_root, config.source.ignore, convention, source, remote)
         if config.source != old.source or config.state != old.state:
             self.next_rescan = 0.0
         if config.engine != old.engine:

@@ -16,6 +16,7 @@ loop's inbox like any other event.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -104,10 +105,8 @@ class RemoteSource(LoopWorker):
         self.config, self.serving, self.rejected, self.post = config, serving, rejected, post
         self.serves = serves
         self.arrivals = arrivals
-        self.listed = False
+        self.listed, self.source_id = False, str(config.source.path)
         """A listing was read: step-less versions new after it arrived (`sources.arrivals`)."""
-        self.names: set[str] = set()
-        """The names in the last listing."""
         self.verified_files = verified_files
         self.store = store or Store(config.source.path, endpoint_url=config.source.endpoint_url)
         # Made once, at start (the state dir exists: its lock is held); a download makes its own
@@ -198,7 +197,9 @@ class RemoteSource(LoopWorker):
                 if not local.is_ignored(name, self.config.source.ignore):
                     by_name[name] = self._objects_by_head(name, problem)
             self._refresh({name: objects for name, objects in by_name.items() if objects})
-            self._listed(set(by_name))
+            if not self.listed:
+                self.listed = True
+                self.arrivals.started(self.source_id)
             if self.config.rollout.role == "follow":  # what serves here, failed by a canary host since
                 for recalled in self.fleet.recalls(self.serves()):
                     self.post(recalled)
@@ -214,10 +215,8 @@ class RemoteSource(LoopWorker):
         cache.clean_staging(
             self.staging_root, {order.placed_name(n, self.seen[n].fingerprint) for n in candidates}
         )
-        theirs, here = self.rejected(), self.rejected_here
-        rejected = {name: {*theirs.get(name, ()), *here.get(name, ())} for name in {*theirs, *here}}
         waiting: dict[str, str] = {}
-        for candidate in order.to_try(candidates, serving=self.serving(), rejected=rejected):
+        for candidate in order.to_try(candidates, serving=self.serving(), rejected=self._rejected()):
             name = candidate.name
             seen = self.seen[name]
             if own := self._own_problem(name, seen):
@@ -243,10 +242,15 @@ class RemoteSource(LoopWorker):
                 manifest = None if isinstance(listed, Incomplete) else listed.manifest
                 self._reject(name, manifest, verdict)
         for name, reason in self.unsignalled.items():  # what would load next, once complete
-            if self.serving().replaced_by(self._arrived(order.Candidate(name, None, ""))):
+            waits = self._arrived({name: order.Candidate(name, None, "")})[name]
+            if self.serving().replaced_by(waits):
                 self._waiting(name, reason, waiting)
         self.pending = waiting
         self._clear("source")  # the whole round read what it needed (a failed header read is no recovery)
+
+    def _rejected(self) -> dict[str, set[str]]:
+        theirs, here = self.rejected(), self.rejected_here  # the loop's, and this thread's
+        return {name: {*theirs.get(name, ()), *here.get(name, ())} for name in {*theirs, *here}}
 
     def _own_problem(self, name: str, seen: Seen) -> tuple[str, str] | None:
         """Why this candidate can never be placed, whatever a retry does, and the check that
@@ -310,9 +314,7 @@ class RemoteSource(LoopWorker):
             if signal != SINGLE_NAME and listed.size > MAX_LISTING_BYTES:  # never read whole
                 problem = f"{signal} has {listed.size} bytes; more than {MAX_LISTING_BYTES} is not one"
                 fp = completeness.fingerprint_of(f"{signal}\0{listed.size}\0{listed.etag}".encode())
-                self.seen[name] = Seen(
-                    signal, listed.etag, b"", self._arrived(order.Candidate(name, None, fp)), problem
-                )
+                self.seen[name] = Seen(signal, listed.etag, b"", order.Candidate(name, None, fp), problem)
                 continue
             if known is not None and known.signal == signal and known.etag == listed.etag is not None:
                 data, etag = known.data, known.etag
@@ -321,23 +323,15 @@ class RemoteSource(LoopWorker):
             else:
                 data, etag = self.store.get(f"{name}/{signal}")
             listing = self._listing(name, objects, signal, data)
-            found = completeness.candidate(name, listing, self.convention)
-            self.seen[name] = Seen(signal, etag, data, self._arrived(found))
+            self.seen[name] = Seen(signal, etag, data, completeness.candidate(name, listing, self.convention))
+        for name, candidate in self._arrived({n: s.candidate for n, s in self.seen.items()}).items():
+            self.seen[name] = dataclasses.replace(self.seen[name], candidate=candidate)
 
-    def _listed(self, names: set[str]) -> None:
-        """The arrivals of the names no longer listed are forgotten (back later: newer)."""
-        if not self.listed:
-            self.arrivals.keep_only(names)
-        for gone in self.names - names:
-            self.arrivals.forget(gone)
-        self.listed, self.names = True, names
-
-    def _arrived(self, candidate: order.Candidate) -> order.Candidate:
-        """With its arrival, when it has no step (newer than the highest step known now)."""
-        if candidate.step is not None:
-            return candidate
-        floor = order.highest_step([*(s.candidate.key for s in self.seen.values()), self.serving().key])
-        return self.arrivals.placed(candidate, floor=floor, first=not self.listed)
+    def _arrived(self, batch: Mapping[str, order.Candidate]) -> dict[str, order.Candidate]:
+        """The step-less ones of one listing, with their arrivals (`order.floor_of` the rest)."""
+        known = [*(s.candidate for s in self.seen.values()), *batch.values()]
+        floor = order.floor_of(known, self.serving().key, self._rejected())
+        return self.arrivals.place(self.source_id, batch.values(), floor=floor, first=not self.listed)
 
     def _reject(self, name: str, manifest: Manifest | None, verdict: Incomplete) -> None:
         fp = verdict.fingerprint or self.seen[name].fingerprint
