@@ -116,3 +116,10 @@ def test_changed_notices_a_rewrite_of_the_same_size_a_truncation_and_a_replaceme
     assert "changed" in (files.changed(tmp_path, verified) or "")
     path.unlink()
     assert files.changed(tmp_path, verified) == "a.bin is gone"
+
+
+def test_usable_cpus_are_the_cores_this_process_may_run_on_not_the_machines(monkeypatch):
+    """Under systemd's CPUAffinity or vLLM's OMP binding, threads past those cores only wait."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 5})
+    assert files.usable_cpus() == 2

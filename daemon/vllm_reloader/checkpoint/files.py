@@ -50,6 +50,15 @@ Identity = tuple[int, int, int, int, int]
 """(device, inode, size, mtime_ns, ctime_ns): any write, truncation or replacement changes it."""
 
 
+def usable_cpus() -> int:
+    """The cores this process may run on (systemd's CPUAffinity, a cpuset, vLLM's OMP
+    binding), not the machine's: the threads a read or a scan starts."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def identity(info: os.stat_result) -> Identity:
     return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 

@@ -38,6 +38,7 @@ from .files import (
     open_regular,
     read_exactly,
     read_header,
+    usable_cpus,
 )
 from .manifest import ManifestFile, digest_mismatch, hashers
 
@@ -45,7 +46,7 @@ Buffer = bytearray | mmap.mmap
 CHUNK = 2 << 20
 """Bytes read at a time: small enough that what the kernel copies in is still in the CPU's
 cache when blake3 and the scan read it (8 MiB took ~20% more CPU here for the same bytes)."""
-_SCANNER = ThreadPoolExecutor(max(1, os.cpu_count() or 1), thread_name_prefix="nan-scan")
+_SCANNER = ThreadPoolExecutor(usable_cpus(), thread_name_prefix="nan-scan")
 """The NaN scan of a chunk runs beside its hashing: both read the same buffer."""
 
 
@@ -357,7 +358,7 @@ def read_all(directory: Path, work: list[Work], run: Run) -> Found | None:
         return None
     work = sorted(work, key=lambda w: w.entry.size, reverse=True)
     run.progress.total = sum(w.entry.size for w in work)
-    left, cores, lock = [len(work)], os.cpu_count() or 1, threading.Lock()
+    left, cores, lock = [len(work)], usable_cpus(), threading.Lock()
 
     def one(item: Work) -> Found | None:
         with lock:  # files under way or to come: as many as cores, each hashes on one thread

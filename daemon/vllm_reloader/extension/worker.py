@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .. import failpoints
+from ..checkpoint.files import usable_cpus
 from .probe import probe, probe_adapter
 from .readers import DTYPES, BufferPool, Checkpoint, LoadStats, layer_order, plan, read_weights, runs
 
@@ -95,7 +96,7 @@ class ReloadExtension:
             if any(read.dtype not in DTYPES for read in reads) or getattr(model, "secondary_weights", None):
                 self.reload_weights(weights_path=path)  # not ours to read: vLLM's own path
                 return {"loader": "builtin", "seconds": time.perf_counter() - started}
-            threads = int(os.environ.get("VLLM_RELOADER_LOAD_THREADS", min(8, os.cpu_count() or 1)))
+            threads = int(os.environ.get("VLLM_RELOADER_LOAD_THREADS", min(8, usable_cpus())))
             self.reload_weights(weights_iterator=read_weights(runs(reads), pool, threads, stats, checkpoint))
         finally:
             checkpoint.close()
