@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.checkpoints import write_weights
+from tests.support.checkpoints import write_manifest, write_weights
 from tests.support.fake_engine import FakeEngine
 from tests.support.hub_cache import cache_model
 from vllm_reloader.engine.capabilities import REQUIRED_ROUTES
@@ -74,6 +74,24 @@ def test_daemon_uses_the_hub_snapshot_of_a_model_id_as_baseline(
     running.wait_for("checkpoint.rejected", name="wrong", check="layout")
     make_checkpoint("step-3", step=3, root=root, seed=3)
     running.wait_for("reload.succeeded", version="step-3")
+
+
+def test_daemon_says_another_models_layout_and_a_broken_config_json_need_different_fixes(
+    start, root, make_checkpoint
+):
+    make_checkpoint("step-1", step=1, root=root)
+    running = start(FakeEngine(startup=str(root / "step-1")))
+    running.wait_for("engine.reconciled", version="step-1")
+    make_checkpoint("wrong", step=2, root=root, shapes=BIGGER)
+    other = running.wait_for("checkpoint.rejected", name="wrong", check="layout")
+    assert other["fix"].startswith("it is not the model the engine serves"), other
+    broken = root.parent / "broken"
+    write_weights(broken, seed=3)
+    (broken / "config.json").write_text("{not json")
+    write_manifest(broken, step=3)
+    broken.rename(root / "broken")
+    unreadable = running.wait_for("checkpoint.rejected", name="broken", check="layout")
+    assert "config.json" in unreadable["reason"] and unreadable["fix"].startswith("fix it and publish")
 
 
 def test_daemon_exits_2_saying_what_to_set_when_a_hub_model_is_not_cached(

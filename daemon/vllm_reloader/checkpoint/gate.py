@@ -61,6 +61,9 @@ __all__ = ["GateOptions", "Verdict", "check"]
 
 Status = Literal["ready", "pending", "rejected"]
 
+LAYOUT_DIFFERS = "layout differs from serving"
+"""How a rejection for another model's layout begins (its fix: train from the served model)."""
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -327,9 +330,7 @@ def _check(
             return _rejected(str(exc), manifest, fp, check="layout")
         if difference := layout.first_difference(candidate, serving):
             reason, tensor = difference
-            return _rejected(
-                f"layout differs from serving: {reason}", manifest, fp, check="layout", tensor=tensor
-            )
+            return _rejected(f"{LAYOUT_DIFFERS}: {reason}", manifest, fp, check="layout", tensor=tensor)
     files = _identities(listing, manifest, options.convention)
     scanned = headers if options.check_finite else {}
     checked = [

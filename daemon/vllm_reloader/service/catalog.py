@@ -19,6 +19,7 @@ from ..checkpoint import completeness, conventions, order
 from ..checkpoint.completeness import DirectoryListing
 from ..checkpoint.conventions import Convention
 from ..checkpoint.files import SINGLE_NAME
+from ..checkpoint.gate import LAYOUT_DIFFERS
 from ..checkpoint.manifest import MANIFEST_NAME
 from ..checkpoint.manifest import parse as parse_manifest
 from ..errors import ManifestInvalid, NotJSONYet
@@ -28,10 +29,11 @@ from .reconcile import version_of
 from .state import Loaded, Rejection
 
 
-def rejection_fix(check: str, name: str) -> str:
-    """What an operator does about a rejection, by the check that made it."""
+def rejection_fix(check: str, name: str, reason: str = "") -> str:
+    """What an operator does about a rejection, by the check that made it (a layout that could
+    not be read, a config.json that is not JSON, is a broken file, not another model)."""
     again = f"`vllm-reloader pin {name} --force` judges the same bytes again"
-    if check == "layout":
+    if check == "layout" and reason.startswith(LAYOUT_DIFFERS):
         return (
             "it is not the model the engine serves: train from that model, or restart the engine "
             f"on this one; {again}"
@@ -242,7 +244,7 @@ class Catalog:
             version=version, reason=reason, fingerprint=fingerprint, at=time.time(), earlier=earlier
         )
         self.rejected_view = _fingerprints(self.rejected)
-        fix = details.pop("fix", None) or rejection_fix(str(details.get("check", "")), base)
+        fix = details.pop("fix", None) or rejection_fix(str(details.get("check", "")), base, reason)
         return dict(name=name, version=version, fingerprint=fingerprint, reason=reason, fix=fix, **details)
 
     def pin(self, name_or_version: str | None, *, force: bool = False) -> str | None:
