@@ -100,3 +100,13 @@ def test_arrivals_read_an_odd_stored_row_as_none(tmp_path: Path, key: str, store
     records = open_records(tmp_path)
     records._db.execute("INSERT INTO facts VALUES (?, ?, ?)", (arrivals.KIND, key, stored))
     assert Arrivals(records).of("/r", "odd") is None
+
+
+def test_arrivals_keep_a_trainers_directory_and_its_converted_output_apart(tmp_path):
+    """Two contents under one base name, side by side in the root: each keeps its own place
+    (one entry for both would be written again at every look, each time newer)."""
+    table = Arrivals(open_records(tmp_path))
+    table.started(ROOT)
+    trainers, converted = stepless("final", "dcp"), stepless("final@0123456789abcdef", "hf")
+    assert place(table, trainers, converted, floor=2) == [(2, 1), (2, 2)]
+    assert place(table, trainers, converted, floor=3) == [(2, 1), (2, 2)]

@@ -10,7 +10,8 @@ has none: nothing says when it came, so it orders by name, before every stepped 
 
 Placed by the one part that lists the source (the object store's thread when there is one,
 else the root's catalog on the main loop); others only read (`of`: a download placed as
-`NAME@…` is NAME's). Thread-safe; in the record store, by source and name. Never forgotten
+`NAME@…` is found as the store listed it, NAME). Thread-safe; in the record store, by source
+and directory name. Never forgotten
 while the daemon runs or at a start: a root that lists nothing for a while (an unmounted
 share) must not make everything in it new again; the same bytes keep their place, and the
 table grows only with names that never had a step. What is remembered changes only once
@@ -78,7 +79,7 @@ class Arrivals:
         placed: dict[str, order.Candidate] = {}
         with self._lock:
             for candidate in sorted((c for c in batch if c.step is None), key=lambda c: c.key):
-                where = (source, candidate.base)
+                where = (source, candidate.name)  # a converter's output (NAME@…) is its own
                 known = self._table.get(where)
                 if known is None or (candidate.fingerprint and candidate.fingerprint != known.fingerprint):
                     arrival = None if fresh else (floor, self._next)
