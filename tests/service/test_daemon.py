@@ -295,7 +295,8 @@ def test_daemon_serves_a_copy_with_no_step_that_arrives_after_a_stepped_version_
     first.wait_for("reload.succeeded", version="final-model")
     first.stop()
     first.wait_for("daemon.stopped")
-    assert state.load(tmp_path / "state").serving.arrival == (1, 1)  # type: ignore[union-attr]
+    saved = state.load(tmp_path / "state").serving
+    assert saved is not None and saved.arrival is not None and saved.arrival[0] == 1, "after step 1"
     make_checkpoint("step-2", step=2, root=root)  # both new since the last run: which came
     write_weights(root / "while-down", seed=3)  # first is unknown, so the step-less one is newer
     for written in [*(root / "while-down").iterdir(), root / "while-down"]:  # quiet: whole at once
