@@ -27,27 +27,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args(argv)
 
-    from tests.support.balancer import held_through_a_pause, paused_in_rotation, tail
-    from tests.support.rolling_updates import Run, roll, two_engines
+    from tests.support.rolling_updates import drain_counts, roll, side_by_side, two_engines
 
     from vllm_reloader.tools.publish import publish
     from vllm_reloader.tools.tinymodel import write_checkpoint
-
-    def counts(run: Run) -> dict[str, object]:
-        answers = run.quiet + run.updates
-        waited = held_through_a_pause(answers, run.paused)
-        return {
-            "requests": len(answers),
-            "failed": sum(a.status != 200 for a in answers),
-            "held_through_a_pause": len(waited),
-            "longest_wait_ms": round(max((a.seconds for a in waited), default=0.0) * 1000, 1),
-            "paused_in_rotation_samples": len(paused_in_rotation(run.paused, run.states)),
-            "failing_checkpoint_answers": sum(
-                a.status == 200 and a.text not in run.good.values() for a in answers
-            ),
-            "no_reload": tail(run.quiet),
-            "updates": tail(run.updates),
-        }
 
     with tempfile.TemporaryDirectory(prefix="vllm-reloader-bench-") as scratch:
         base = Path(scratch)
@@ -65,13 +48,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         finally:
             for engine in engines:
                 engine.stop()
-    result = {"on": counts(on), "off": counts(off)}
-    print(f"{'drain':<30}{'on':>12}{'off':>12}", file=sys.stderr)
-    for row, value in result["on"].items():
-        pairs = value.items() if isinstance(value, dict) else [("", value)]
-        for stat, on_value in pairs:
-            off_value = result["off"][row][stat] if stat else result["off"][row]  # type: ignore[index]
-            print(f"{(row + ' ' + stat).strip():<30}{on_value!s:>12}{off_value!s:>12}", file=sys.stderr)
+    result = {"on": drain_counts(on), "off": drain_counts(off)}
+    print(side_by_side(result["on"], result["off"]), file=sys.stderr)
     return emit({"benchmark": "drain", "hidden": args.hidden, "layers": args.layers, **result})
 
 

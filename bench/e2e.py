@@ -43,6 +43,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--hidden", type=int, default=2016)  # 42 heads of 48
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--no-cold",
+        action="store_true",
+        help="no cold start first: a check that it runs (the restart is then cold)",
+    )
     args = parser.parse_args(argv)
 
     from tests.support.engine_fixtures import DaemonProcess, daemon_config, start_engine
@@ -58,8 +63,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         )
         write_checkpoint(base / "b", seed=2, hidden_size=args.hidden, layers=args.layers)
         nbytes = sum(p.stat().st_size for p in (root / "step-1").glob("*.safetensors"))
-        engine = start_engine(root / "step-1", base / "engine.log")  # cold: not the baseline
-        engine.stop()
+        if not args.no_cold:
+            start_engine(root / "step-1", base / "engine.log").stop()  # cold: not the baseline
         started = time.perf_counter()
         engine = start_engine(root / "step-1", base / "engine-2.log")
         restart_s = time.perf_counter() - started

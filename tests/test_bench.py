@@ -58,6 +58,7 @@ def test_bench_quick_run_writes_every_benchmark_with_its_ratio(tmp_path):
 @pytest.mark.engine
 def test_bench_e2e_on_a_real_engine_splits_publish_to_serving_into_phases():
     command = [sys.executable, str(BENCH / "e2e.py"), "--hidden", "64", "--layers", "2", "--rounds", "1"]
+    command.append("--no-cold")  # it runs: its figures are read on a quiet machine, not here
     result = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     report = _last_json_line(result.stdout)
@@ -77,21 +78,6 @@ def test_bench_rolling_update_of_two_real_engines_reports_its_ratio_to_one():
     assert report["benchmark"] == "rolling" and report["engines"] == 2 and report["rounds"] == 1
     _measured(report, "bytes", "one_engine_s", "two_engines_s", "follower_reload_ms")
     _measured(report, "ratio", "ideal", "ratio_vs_ideal")
-
-
-@pytest.mark.engine
-def test_bench_drain_prints_drain_on_and_off_side_by_side_behind_haproxy():
-    command = [sys.executable, str(BENCH / "drain.py"), "--hidden", "96", "--layers", "2"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    report = _last_json_line(result.stdout)
-    assert report["benchmark"] == "drain" and set(report) >= {"on", "off"}
-    for side in ("on", "off"):
-        _measured(report[side], "requests")
-        _measured(report[side]["no_reload"], "requests", "p50_ms", "p99_ms", "max_ms")
-        _measured(report[side]["updates"], "requests", "p50_ms", "p99_ms", "max_ms")
-    assert report["on"]["failed"] == report["on"]["failing_checkpoint_answers"] == 0  # as the e2e test
-    assert "held_through_a_pause" in result.stderr, "the side-by-side table"
 
 
 @pytest.mark.engine

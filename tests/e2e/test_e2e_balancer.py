@@ -2,18 +2,20 @@
 daemon's readiness endpoint (`[readiness] drain = true`), clients on it all along, through
 three rolling updates and one checkpoint that breaks the forward pass. No request fails, none is
 answered by an engine while it is paused, no engine is paused while HAProxy still sends it
-traffic, and no client ever gets an answer from the failing checkpoint. The same run with
-drain off, side by side, is bench/drain.py."""
+traffic, and no client ever gets an answer from the failing checkpoint. Then the same with
+drain off on the same engines, and both side by side: bench/drain.py's run (its smoke test,
+here, where the engines are already up)."""
 
 from __future__ import annotations
 
+import shutil
 from datetime import datetime
 from pathlib import Path
 
 import pytest
 
-from tests.support.balancer import Answer, held_through_a_pause, paused_in_rotation, pauses, tail
-from tests.support.rolling_updates import GRACE, Run, roll, two_engines
+from tests.support.balancer import Answer, held_through_a_pause, paused_in_rotation, pauses
+from tests.support.rolling_updates import GRACE, Run, drain_counts, roll, side_by_side, two_engines
 from vllm_reloader.tools.publish import publish
 
 pytestmark = pytest.mark.engine
@@ -58,6 +60,8 @@ def test_e2e_haproxy_sends_no_client_to_a_paused_or_unverified_engine_through_up
             drain=True,
             hold_pauses_s=2.5,
         )
+        shutil.rmtree(root / "step-5")  # rejected by the first daemon: not the second's to find
+        off = roll(tmp_path / "off", engines, root, seeds[1:], seeds[0], first_step=6, drain=False)
     finally:
         for engine in engines:
             engine.stop()
@@ -96,7 +100,8 @@ def test_e2e_haproxy_sends_no_client_to_a_paused_or_unverified_engine_through_up
             early = [a for a in run.updates if a.server == server and a.text == new and a.done < back]
             assert early == [], f"{url} answered {done['version']} before it passed its canary"
 
-    with capsys.disabled():  # the latency tail through the reloads, next to none
-        print(
-            f"\nthrough HAProxy, drain on: no reload {tail(run.quiet)}; rolling updates {tail(run.updates)}"
-        )
+    on, without = drain_counts(run), drain_counts(off)  # bench/drain.py's figures
+    assert on["failed"] == on["failing_checkpoint_answers"] == on["held_through_a_pause"] == 0
+    assert without["requests"] and set(without["updates"]) >= {"p50_ms", "p99_ms", "max_ms"}  # type: ignore[arg-type]
+    with capsys.disabled():  # the latency tail through the reloads, next to none, drain on and off
+        print("\n" + side_by_side(on, without))

@@ -13,7 +13,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.support import background
-from tests.support.balancer import MAX_TOKENS, PROMPT, Answer, Clients, Samples, States, start_haproxy
+from tests.support.balancer import (
+    MAX_TOKENS,
+    PROMPT,
+    Answer,
+    Clients,
+    Samples,
+    States,
+    held_through_a_pause,
+    paused_in_rotation,
+    start_haproxy,
+    tail,
+)
 from tests.support.checkpoints import write_manifest
 from tests.support.engine_fixtures import DaemonProcess, Engine, daemon_config, exploding, start_engine
 from tests.support.ports import unused_port
@@ -162,3 +173,33 @@ def roll(
         good=texts,
         lines=list(daemon.lines),
     )
+
+
+def drain_counts(run: Run) -> dict[str, object]:
+    """What bench/drain.py reports of one run: failures, answers held through a pause, pauses
+    HAProxy still sent traffic into, answers from the failing checkpoint, latency tails."""
+    answers = run.quiet + run.updates
+    waited = held_through_a_pause(answers, run.paused)
+    return {
+        "requests": len(answers),
+        "failed": sum(a.status != 200 for a in answers),
+        "held_through_a_pause": len(waited),
+        "longest_wait_ms": round(max((a.seconds for a in waited), default=0.0) * 1000, 1),
+        "paused_in_rotation_samples": len(paused_in_rotation(run.paused, run.states)),
+        "failing_checkpoint_answers": sum(
+            a.status == 200 and a.text not in run.good.values() for a in answers
+        ),
+        "no_reload": tail(run.quiet),
+        "updates": tail(run.updates),
+    }
+
+
+def side_by_side(on: dict[str, object], off: dict[str, object]) -> str:
+    """Drain on and off, a row per figure."""
+    rows = [f"{'drain':<30}{'on':>12}{'off':>12}"]
+    for row, value in on.items():
+        pairs = value.items() if isinstance(value, dict) else [("", value)]
+        for stat, on_value in pairs:
+            off_value = off[row][stat] if stat else off[row]  # type: ignore[index]
+            rows.append(f"{(row + ' ' + stat).strip():<30}{on_value!s:>12}{off_value!s:>12}")
+    return "\n".join(rows)
