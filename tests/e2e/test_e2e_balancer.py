@@ -3,8 +3,8 @@ daemon's readiness endpoint (`[readiness] drain = true`), clients on it all alon
 three rolling updates and one checkpoint that breaks the forward pass. No request fails, none is
 answered by an engine while it is paused, no engine is paused while HAProxy still sends it
 traffic, and no client ever gets an answer from the failing checkpoint. Then the same with
-drain off on the same engines, and both side by side: bench/drain.py's run (its smoke test,
-here, where the engines are already up)."""
+drain off on the same engines, and both side by side, as bench/drain.py runs them (the same
+`roll`, `drain_counts` and `side_by_side`; the script itself only starts engines around them)."""
 
 from __future__ import annotations
 
@@ -40,33 +40,8 @@ def _around(run: Run, answer: Answer) -> str:
     return f"{answer}\npauses {paused}\nhaproxy {states[::5]}\n" + "\n".join(lines)
 
 
-def test_e2e_haproxy_sends_no_client_to_a_paused_or_unverified_engine_through_updates_and_a_failing_canary(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-):
-    from vllm_reloader.tools.tinymodel import write_checkpoint
-
-    root = tmp_path / "root"
-    seeds = [write_checkpoint(tmp_path / f"seed-{i}", seed=i) for i in range(1, 5)]
-    publish(seeds[0], root, step=1)
-    engines = two_engines(root / "step-1", tmp_path)
-    try:
-        run = roll(
-            tmp_path / "drain",
-            engines,
-            root,
-            seeds[1:],
-            seeds[0],
-            first_step=2,
-            drain=True,
-            hold_pauses_s=2.5,
-        )
-        shutil.rmtree(root / "step-5")  # rejected by the first daemon: not the second's to find
-        off = roll(tmp_path / "off", engines, root, seeds[1:], seeds[0], first_step=6, drain=False)
-    finally:
-        for engine in engines:
-            engine.stop()
-    first, second = (e.url for e in engines)
-
+def _zero_exposure(run: Run, first: str, second: str) -> None:
+    """What the drain promises, judged before anything else runs on the engines."""
     answers = run.quiet + run.updates
     assert run.updates and run.quiet, "clients were answered before and through the updates"
     failed = [a for a in answers if a.status != 200]
@@ -100,6 +75,34 @@ def test_e2e_haproxy_sends_no_client_to_a_paused_or_unverified_engine_through_up
             early = [a for a in run.updates if a.server == server and a.text == new and a.done < back]
             assert early == [], f"{url} answered {done['version']} before it passed its canary"
 
+
+def test_e2e_haproxy_sends_no_client_to_a_paused_or_unverified_engine_through_updates_and_a_failing_canary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    from vllm_reloader.tools.tinymodel import write_checkpoint
+
+    root = tmp_path / "root"
+    seeds = [write_checkpoint(tmp_path / f"seed-{i}", seed=i) for i in range(1, 5)]
+    publish(seeds[0], root, step=1)
+    engines = two_engines(root / "step-1", tmp_path)
+    try:
+        run = roll(
+            tmp_path / "drain",
+            engines,
+            root,
+            seeds[1:],
+            seeds[0],
+            first_step=2,
+            drain=True,
+            hold_pauses_s=2.5,
+        )
+        first, second = (e.url for e in engines)
+        _zero_exposure(run, first, second)  # judged before the drain-off half can fail
+        shutil.rmtree(root / "step-5")  # rejected by the first daemon: not the second's to find
+        off = roll(tmp_path / "off", engines, root, seeds[1:], seeds[0], first_step=6, drain=False)
+    finally:
+        for engine in engines:
+            engine.stop()
     on, without = drain_counts(run), drain_counts(off)  # bench/drain.py's figures
     assert on["failed"] == on["failing_checkpoint_answers"] == on["held_through_a_pause"] == 0
     assert without["requests"] and set(without["updates"]) >= {"p50_ms", "p99_ms", "max_ms"}  # type: ignore[arg-type]

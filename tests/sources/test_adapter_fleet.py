@@ -158,3 +158,19 @@ def test_an_adapter_with_only_records_left_is_gone_and_one_with_an_odd_key_is_no
     assert [m.names for m in canary.found if isinstance(m, AdaptersListed)] == [{"other"}], (
         "its records are not an adapter"
     )
+
+
+def test_a_followers_waiting_versions_are_not_shown_once_its_root_cannot_be_read(
+    bucket, tmp_path, monkeypatch
+):
+    upload(bucket, write_adapter(tmp_path / "v1", seed=1), "support/step-1")
+    _canary, follower = hosts(bucket, tmp_path)
+    follower.source.turn()
+    assert follower.source.waiting == {"support": {"step-1": "waiting for canary hosts: 0 of 1 passed"}}
+
+    def unreadable(say: object) -> None:
+        raise SourceError("the store does not answer")
+
+    monkeypatch.setattr(follower.source.tree, "list", unreadable)
+    follower.source.turn()
+    assert follower.source.waiting == {}, "status vouches for no wait it can no longer see"

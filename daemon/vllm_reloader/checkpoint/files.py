@@ -51,8 +51,8 @@ Identity = tuple[int, int, int, int, int]
 
 
 def usable_cpus() -> int:
-    """The cores this process may run on (systemd's CPUAffinity, a cpuset, vLLM's OMP
-    binding), not the machine's: the threads a read or a scan starts."""
+    """The cores this process may run on (systemd's CPUAffinity, a cpuset), not the machine's:
+    the daemon's scan threads. Not in vLLM's workers: OpenMP pins their main thread to one."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not Linux

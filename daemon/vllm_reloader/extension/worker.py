@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from .. import failpoints
-from ..checkpoint.files import usable_cpus
 from .probe import probe, probe_adapter
 from .readers import DTYPES, BufferPool, Checkpoint, LoadStats, layer_order, plan, read_weights, runs
 
@@ -96,7 +95,9 @@ class ReloadExtension:
             if any(read.dtype not in DTYPES for read in reads) or getattr(model, "secondary_weights", None):
                 self.reload_weights(weights_path=path)  # not ours to read: vLLM's own path
                 return {"loader": "builtin", "seconds": time.perf_counter() - started}
-            threads = int(os.environ.get("VLLM_RELOADER_LOAD_THREADS", min(8, usable_cpus())))
+            # The machine's cores, not this thread's affinity: vLLM's CPU backend pins its worker's
+            # main thread to one core once OpenMP starts, and these threads mostly wait on reads.
+            threads = int(os.environ.get("VLLM_RELOADER_LOAD_THREADS", min(8, os.cpu_count() or 1)))
             self.reload_weights(weights_iterator=read_weights(runs(reads), pool, threads, stats, checkpoint))
         finally:
             checkpoint.close()

@@ -79,9 +79,9 @@ def migrate(records: RecordStore, directory: Path, log: Any, *, completeness_uns
             "config.default_changed",
             key="[source] completeness",
             now="auto",
-            before="manifest",
-            reason="checkpoints without a manifest (a Trainer's, save_pretrained's) now load once whole",
-            fix='set [source] completeness = "manifest" to load only published checkpoints, as before',
+            before="manifest in the oldest releases with state.json",
+            reason="if yours waited for a manifest: a checkpoint without one (a Trainer's) loads when whole",
+            fix='set [source] completeness = "manifest" to load only published checkpoints',
         )
 
 

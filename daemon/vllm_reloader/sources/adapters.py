@@ -150,6 +150,7 @@ class AdapterSource(LoopWorker):
         try:
             self.scan()
         except (OSError, SourceError) as exc:  # the root itself: said once, looked at again
+            self.waiting = {}  # not known now: `status` shows no wait it cannot vouch for
             self._say("adapters.unreadable", reason=_reason(exc))
 
     def _tell(self, message: Found) -> None:
@@ -197,6 +198,7 @@ class AdapterSource(LoopWorker):
             try:
                 self._tend(self.fleet)
             except SourceError as exc:  # the records only: the versions found still count
+                self.waiting = {}
                 self._say("adapters.unreadable", reason=f"the fleet's records: {_reason(exc)}")
         if listing:  # an empty root (a mount not there) unloads nothing
             self._tell(AdaptersListed(frozenset(listing)))
