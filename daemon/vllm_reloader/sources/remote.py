@@ -241,9 +241,9 @@ class RemoteSource(LoopWorker):
             else:
                 manifest = None if isinstance(listed, Incomplete) else listed.manifest
                 self._reject(name, manifest, verdict)
+        unsignalled = self._arrived({n: order.Candidate(n, None, "") for n in self.unsignalled})  # one look
         for name, reason in self.unsignalled.items():  # what would load next, once complete
-            waits = self._arrived({name: order.Candidate(name, None, "")})[name]
-            if self.serving().replaced_by(waits):
+            if self.serving().replaced_by(unsignalled[name]):
                 self._waiting(name, reason, waiting)
         self.pending = waiting
         self._clear("source")  # the whole round read what it needed (a failed header read is no recovery)
