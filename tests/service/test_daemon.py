@@ -15,6 +15,7 @@ from vllm_reloader import config
 from vllm_reloader.checkpoint.files import INDEX_NAME
 from vllm_reloader.engine.client import RELOADING_PREFIX
 from vllm_reloader.service import state, status
+from vllm_reloader.tools import publish as publish_module
 from vllm_reloader.tools.publish import publish
 
 
@@ -453,7 +454,7 @@ def test_daemon_reads_shards_while_the_checkpoint_is_written_not_again_after(
         if path.name != "manifest.json":
             (target / path.name).write_bytes(path.read_bytes())
             time.sleep(0.1)  # the writer's pace: each shard read while the next is written
-    time.sleep(0.3)
+    time.sleep(1.0)  # a real writer's last sync: what is read by then is never read again
     (target / "manifest.json").write_bytes((src / "manifest.json").read_bytes())
     if where.startswith("."):
         target.rename(root / "step-2")
@@ -465,10 +466,19 @@ def test_daemon_reads_shards_while_the_checkpoint_is_written_not_again_after(
 
 @pytest.mark.parametrize("move", [False, True])
 def test_daemon_reads_the_shards_publish_places_before_its_manifest_not_again_after(
-    start, root, tmp_path, make_checkpoint, move
+    start, root, tmp_path, make_checkpoint, move, monkeypatch
 ):
     """`publish` closes each copy before syncing them all (a `--move` renames them in): the
-    daemon has read every shard by the time the rename makes the checkpoint appear."""
+    daemon has read every shard by the time the rename makes the checkpoint appear. Shards
+    this small sync at once, so the manifest waits as long as a real shard's sync would (on a
+    loaded machine a `--move` of tiny files can finish before the watcher's events arrive)."""
+    real_write = publish_module.write_synced
+
+    def write_after_the_sync(path, data):
+        time.sleep(1.0)
+        return real_write(path, data)
+
+    monkeypatch.setattr(publish_module, "write_synced", write_after_the_sync)
     make_checkpoint("step-1", step=1, root=root)
     engine = FakeEngine(startup=str(root / "step-1"))
     running = start(engine)

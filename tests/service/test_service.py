@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.checkpoints import write_manifest
 from tests.support.fake_engine import FakeEngine, unreachable
 from vllm_reloader import failpoints
 from vllm_reloader.service import state
@@ -275,8 +276,11 @@ def test_service_sigkill_at_each_failpoint_then_restart_converges(
 def test_service_status_line_escapes_what_the_engine_or_a_writer_put_in_a_version(service):
     """A newline in STATUS= starts a new field: `WATCHDOG=trigger` would make systemd restart
     the daemon, at every start. The engine reports whatever someone set as its version."""
-    start, engine, notify, _config, _root = service
+    start, engine, notify, _config, root = service
     engine.version = "x\nWATCHDOG=trigger"
+    # the version a writer put in the served checkpoint's manifest (else the daemon may
+    # reload step-1 over the engine's unknown version before READY=1 is sent)
+    write_manifest(root / "step-1", step=1, overrides={"version": engine.version})
     daemon = start()
     ready = notify.wait_for("READY=1")
     assert "WATCHDOG=trigger" not in ready
