@@ -86,6 +86,7 @@ print(sorted(m for m in sys.modules if m.startswith("vllm_reloader")))
             "vllm_reloader",
             "vllm_reloader.checkpoint",
             "vllm_reloader.checkpoint.files",
+            "vllm_reloader.checkpoint.staged",
             "vllm_reloader.errors",
             "vllm_reloader.extension",
             "vllm_reloader.extension.probe",

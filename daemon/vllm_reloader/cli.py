@@ -111,6 +111,13 @@ def _run(config_path: Path, priority_prefix: bool) -> int:
     if priority_prefix:
         cfg = cfg.model_copy(update={"log": cfg.log.model_copy(update={"priority_prefix": True})})
     log.configure(cfg.log.level, cfg.log.format, priority_prefix=cfg.log.priority_prefix)
+    if cfg.node.role == "stage":
+        from .service.stage import Stage
+
+        stage = Stage(cfg)
+        stage.install_signal_handlers()
+        code = stage.run()
+        return log.EXIT_OUTPUT_LOST if code == 0 and log.output_lost() else code
     daemon = Daemon(cfg, config_path=config_path)
     daemon.install_signal_handlers()
     code = daemon.run()

@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 
 from tests.support.checkpoints import TENSORS, MakeCheckpoint, write_manifest
 from tests.support.daemon_fixtures import events_in, wait_for_event
-from tests.support.fake_engine import FakeEngine
+from tests.support.fake_engine import BadSteps, FakeEngine
 from tests.support.records import source_records
 from tests.support.store_fixtures import WRITABLE, Bucket
 from vllm_reloader import config
@@ -29,22 +29,6 @@ from vllm_reloader.service.daemon import Daemon
 from vllm_reloader.sources.remote import Downloaded, Rejected, RemoteSource
 
 pytestmark = pytest.mark.stores(*WRITABLE)
-
-
-class BadSteps(set[str]):
-    """The engine's `garbage`: weights whose manifest has one of these steps answer NaN (the
-    scripted engine asks by path; a path's content is what its manifest says)."""
-
-    def __init__(self, steps: set[int]) -> None:
-        super().__init__()
-        self.steps = steps
-
-    def __contains__(self, path: object) -> bool:
-        try:
-            manifest = json.loads((Path(str(path)) / "manifest.json").read_text())
-        except (OSError, ValueError):
-            return False
-        return manifest.get("step") in self.steps
 
 
 @dataclasses.dataclass

@@ -15,8 +15,9 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from vllm_reloader.checkpoint.files import changed
+from vllm_reloader.checkpoint.staged import staged_problem
 from vllm_reloader.config import EngineConfig
-from vllm_reloader.engine.client import EXTENSION, EXTENSION_METHOD, EngineClient
+from vllm_reloader.engine.client import EXTENSION, EXTENSION_METHOD, STAGED_METHOD, EngineClient
 
 REFUSED = (
     "RuntimeError: Updating weights layer by layer needs about 3.10 GiB of free device memory, at "
@@ -94,6 +95,32 @@ class FakeEngine:
         """Runs while an adapter is being loaded (what the test sees mid-swap)."""
         self.during_completion: Callable[[str | None], None] | None = None
         """Runs as a completion is asked of a model (None: the base), before it answers."""
+        self.other_nodes: dict[str, tuple[Path, Path]] = {}
+        """A multi-node engine: each other node's host → (the leader's cache, that node's): a path
+        under the first is read under the second there, as a rank on that node would."""
+        self.staged_asks: list[str] = []
+        """The paths every rank was asked about (`reloader_staged`), in order."""
+        self.staged_loads: list[tuple[str, str]] = []
+        """(path, fingerprint) of each load that read each node's own verified copy."""
+
+    def _staged(self, path: str, fingerprint: str) -> list[dict[str, object]]:
+        """What each node's rank answers (one rank a node): the leader's node reads `path`."""
+        places = [("leader", Path(path))]
+        for host, (mine, theirs) in self.other_nodes.items():
+            places.append((host, theirs / Path(path).relative_to(mine)))
+        answers: list[dict[str, object]] = []
+        for rank, (host, where) in enumerate(places):
+            staged, problem = staged_problem(where, fingerprint)
+            answers.append(
+                {
+                    "rank": rank,
+                    "node_rank": rank,
+                    "host": host,
+                    "staged_by": staged and staged.node,
+                    "problem": problem,
+                }
+            )
+        return answers
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -154,9 +181,17 @@ class FakeEngine:
                 finite = adapter not in self.garbage and adapter not in self.probe_broken
                 answer = {"available": True, "logits": True, "finite": finite, "flat": False, "max_abs": 9.5}
                 return httpx.Response(200, json={"results": [answer] * self.ranks})
+            if body["method"] == STAGED_METHOD and self.extension:
+                self.staged_asks.append(body["kwargs"]["path"])
+                return httpx.Response(200, json={"results": self._staged(**body["kwargs"])})
             if body["method"] == EXTENSION_METHOD:
                 if not self.extension:  # what vLLM answers for a method no worker has
                     return httpx.Response(500, json={"error": {"message": "no attribute"}})
+                if (fp := body["kwargs"].get("staged")) is not None:
+                    short = [a for a in self._staged(body["kwargs"]["path"], fp) if a["problem"]]
+                    if short:  # a rank refuses before reading anything
+                        return httpx.Response(500, json={"error": {"message": short[0]["problem"]}})
+                    self.staged_loads.append((body["kwargs"]["path"], fp))
                 if problem := self._load(body["kwargs"]["path"], body["kwargs"].get("files")):
                     return httpx.Response(500, json={"error": {"message": problem}})
                 results: list[object] = [{"loader": "extension", "bytes": 42}] * self.ranks
@@ -318,3 +353,19 @@ class FakeEngineServer:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class BadSteps(set[str]):
+    """The engine's `garbage`: weights whose manifest has one of these steps answer NaN (the
+    scripted engine asks by path; a path's content is what its manifest says)."""
+
+    def __init__(self, steps: set[int]) -> None:
+        super().__init__()
+        self.steps = steps
+
+    def __contains__(self, path: object) -> bool:
+        try:
+            manifest = json.loads((Path(str(path)) / "manifest.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return manifest.get("step") in self.steps

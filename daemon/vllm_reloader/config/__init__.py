@@ -19,6 +19,7 @@ from .model import (
     SourceConfig,
     StateConfig,
 )
+from .node import NodeConfig
 
 __all__ = [
     "API_KEY_ENV",
@@ -34,6 +35,7 @@ __all__ = [
     "GateConfig",
     "LogConfig",
     "MetricsConfig",
+    "NodeConfig",
     "ReadinessConfig",
     "RolloutConfig",
     "SourceConfig",

@@ -21,6 +21,7 @@ from pydantic import (
 
 from .adapters import AdaptersConfig
 from .base import ConfigPath, Location, Section, is_remote
+from .node import NodeConfig
 
 DEFAULT_MARKERS = ("commit_success.txt", "_SUCCESS", "COMPLETE")
 API_KEY_ENV = "VLLM_API_KEY"
@@ -312,6 +313,32 @@ class Config(Section):
     readiness: ReadinessConfig = ReadinessConfig()
     rollout: RolloutConfig = RolloutConfig()
     adapters: AdaptersConfig = AdaptersConfig()
+    node: NodeConfig = NodeConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_stage_node_has_no_engine(cls, data: Any) -> Any:
+        """A headless node serves no HTTP: its daemon never calls an engine, so `[engine]`
+        may be left out (a placeholder that is never dialled stands in)."""
+        node = data.get("node") if isinstance(data, dict) else None
+        if isinstance(node, dict) and node.get("role") == "stage" and "engine" not in data:
+            return {**data, "engine": {"url": "http://127.0.0.1:1"}}
+        return data
+
+    @model_validator(mode="after")
+    def _nodes_need_a_store(self) -> Config:
+        if self.node.role != "single" and not self.source.remote:
+            raise ValueError(
+                f"node.role = {self.node.role} needs an object-store source.path (s3://, gs://, az://): "
+                "each node downloads its own copy to the same path"
+            )
+        if self.node.role == "stage" and self.node.leader is None:
+            raise ValueError("node.role = stage needs node.leader: the leading daemon's [rollout] host")
+        if self.node.role == "lead" and self.rollout.role != "canary":
+            raise ValueError(
+                "node.role = lead records verdicts for its stage nodes: set rollout.role = canary"
+            )
+        return self
 
     @model_validator(mode="after")
     def _engine_scan_needs_the_probe(self) -> Config:

@@ -27,6 +27,7 @@ RELOADING_PREFIX = "reloading:"
 EXTENSION = "vllm_reloader.extension.ReloadExtension"
 """The worker extension (`--worker-extension-cls`) whose faster reload the daemon uses when present."""
 EXTENSION_METHOD = "reloader_load_checkpoint"
+STAGED_METHOD = "reloader_staged"
 BUILTIN_LOADER_RISK = (
     "the engine runs without the worker extension: vLLM reads the files by path and maps them, "
     "so a writer truncating a shard while it loads can still kill the engine"
@@ -214,22 +215,34 @@ class EngineClient:
         self._call("POST", "/resume")
 
     def reload_weights(
-        self, path: str, *, extension: bool = False, files: Mapping[str, Sequence[int]] | None = None
+        self,
+        path: str,
+        *,
+        extension: bool = False,
+        files: Mapping[str, Sequence[int]] | None = None,
+        staged: str | None = None,
     ) -> dict[str, Any] | None:
         """vLLM's own `reload_weights`, or the extension's, which reads only the files the
-        gate verified (`files`: their identities) and answers with what the load took
-        (bytes, seconds, device memory), from the first worker."""
+        gate verified (`files`: their identities; `staged`: each node's own, as its daemon
+        verified this content) and answers with what the load took (bytes, seconds, device
+        memory), from the first worker."""
         if extension:
             method = EXTENSION_METHOD
             kwargs: dict[str, Any] = {"path": path}
             if files is not None:
                 kwargs["files"] = {name: list(found) for name, found in files.items()}
+            kwargs.update({"staged": staged} if staged is not None else {})
         else:
             method, kwargs = "reload_weights", {"weights_path": path}
         results = self.collective_rpc(method, kwargs, timeout=self.config.reload_timeout)
         if not extension:
             return None
         return load_report(results)
+
+    def staged(self, path: str, fingerprint: str) -> list[Any]:
+        """Every rank's word on its node's copy at `path` (`ReloadExtension.reloader_staged`)."""
+        asked = {"path": path, "fingerprint": fingerprint}
+        return self.collective_rpc(STAGED_METHOD, asked, timeout=self.config.timeout)
 
     def collective_rpc(self, method: str, kwargs: dict[str, Any], *, timeout: float) -> list[Any]:
         """`method` on every worker: each one's answer, in rank order."""

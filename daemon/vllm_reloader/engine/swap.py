@@ -31,6 +31,9 @@ class Target:
     files: Mapping[str, Identity] | None = None
     """Each file as the gate verified it: compared after the load (and by the extension
     while it reads). None for a checkpoint never gated here (the engine's startup model)."""
+    staged: str | None = None
+    """A multi-node engine: the content's fingerprint; every rank reads the files its own
+    node's daemon verified for it (`engine.nodes`), asked before the pause."""
 
     def changed(self) -> str | None:
         """Why the files are no longer the verified ones, or None."""
@@ -101,7 +104,9 @@ def hot_swap(
                     client.sleep(2, mode)
                     client.wake_up(("weights",))
             with _timed(timings, "reload"):
-                load = client.reload_weights(target.path, extension=extension, files=target.files)
+                load = client.reload_weights(
+                    target.path, extension=extension, files=target.files, staged=target.staged
+                )
         except EngineError as exc:  # a writer at the files makes it no fault of the checkpoint's
             changed = target.changed() is not None
             woken = _wake(client, asleep)
@@ -200,7 +205,9 @@ def _restore(
         why = "no checkpoint to restore" if fallback is None else "the engine did not wake up"
         return ReloadFailed(f"{cause}; {why}", restored=False, engine_up=woken, **why_failed)
     try:
-        client.reload_weights(fallback.path, extension=extension, files=fallback.files)
+        client.reload_weights(
+            fallback.path, extension=extension, files=fallback.files, staged=fallback.staged
+        )
         if problem := fallback.changed():
             raise ReloadFailed(
                 f"{fallback.version} changed while restoring it: {problem}", restored=False, engine_up=True

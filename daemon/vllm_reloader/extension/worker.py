@@ -10,6 +10,7 @@ Imported only inside the engine (it needs torch); the daemon never imports it.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from .. import failpoints
+from ..checkpoint.staged import staged_problem
 from .probe import probe, probe_adapter
 from .readers import DTYPES, BufferPool, Checkpoint, LoadStats, layer_order, plan, read_weights, runs
 
@@ -68,18 +70,41 @@ class ReloadExtension:
     device: torch.device
     reload_weights: Any
 
+    def reloader_staged(self, path: str, fingerprint: str) -> dict[str, Any]:
+        """Whether this rank's node holds `fingerprint` verified at `path` (its daemon's marker,
+        and every file as it was verified): asked of every rank before a multi-node reload."""
+        staged, problem = staged_problem(Path(path), fingerprint)
+        return {
+            "rank": getattr(self, "rank", None),
+            "node_rank": getattr(self.vllm_config.parallel_config, "node_rank", None),
+            "host": socket.gethostname(),
+            "staged_by": staged.node if staged else None,
+            "problem": problem,
+        }
+
     def reloader_load_checkpoint(
-        self, path: str, files: dict[str, list[int]] | None = None, reader: str = "buffered"
+        self,
+        path: str,
+        files: dict[str, list[int]] | None = None,
+        reader: str = "buffered",
+        staged: str | None = None,
     ) -> dict[str, Any]:
         """Reload the weights from the checkpoint at `path`, in place; what it took.
 
         `files`: each file's identity as the daemon's gate verified it (device, inode, size,
         mtime_ns, ctime_ns): the shards read must be exactly those, unchanged, or nothing is
-        loaded; changed while read, the load fails. Tensors are read into reused host
-        buffers (pinned with an accelerator), never mapped (`reader` is accepted for older
+        loaded; changed while read, the load fails. `staged` (a multi-node engine): the
+        content's fingerprint; each rank reads the files its own node's daemon verified (its
+        marker's identities), or refuses before reading anything. Tensors are read into reused
+        host buffers (pinned with an accelerator), never mapped (`reader` is accepted for older
         daemons; `buffered` is the only one)."""
         if reader != "buffered":
             raise ValueError(f"reader {reader!r}: only buffered (a mapped read dies on a truncated file)")
+        if staged is not None:
+            marker, problem = staged_problem(Path(path), staged)
+            if problem is not None or marker is None:
+                raise ValueError(f"{socket.gethostname()} (rank {getattr(self, 'rank', None)}): {problem}")
+            files = {name: list(found) for name, found in marker.files.items()}
         failpoints.hit("load_start", rank=getattr(self, "rank", None))
         model = self.model_runner.get_model()
         memory = DeviceMemory(self.device)

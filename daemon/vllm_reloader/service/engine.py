@@ -21,6 +21,7 @@ from ..engine.client import (
     STARTUP_VERSION,
     EngineClient,
 )
+from ..engine.nodes import NodeState
 from ..errors import EngineError, EngineUnavailable
 from ..retry import Backoff, Policy
 from . import outcomes, reconcile, setup
@@ -82,6 +83,8 @@ class Engine:
     starting_since: float | None = None
     """When it first did not answer, before it ever did (it is starting: said as info)."""
     start_warned: bool = False
+    nodes: tuple[str, tuple[NodeState, ...]] | None = None
+    """A multi-node engine: the version its ranks were last asked about, and each node's word."""
 
     @classmethod
     def make(
@@ -217,14 +220,15 @@ class Engine:
             self.last_error = None
             self.follow.succeeded(self.url)
             return decision
-        refusal = "engine.reload_refused"
-        failed = [e.fields.get("reason") for e in decision.events if e.name in ("reload.failed", refusal)]
+        refusals = ("engine.reload_refused", "node.not_staged")
+        said = ("reload.failed", *refusals)
+        failed = [e.fields.get("reason") for e in decision.events if e.name in said]
         reason = decision.reject.reason if decision.reject else str(failed[0] if failed else decision.result)
         wait = self.follow.failed(self.url)
         self.last_error = reason
-        if any(e.name == refusal for e in decision.events):  # its one line says when it is tried again
+        if any(e.name in refusals for e in decision.events):  # its one line says when it is tried again
             events = tuple(
-                replace(e, fields={**e.fields, "retry_in_s": wait}) if e.name == refusal else e
+                replace(e, fields={**e.fields, "retry_in_s": wait}) if e.name in refusals else e
                 for e in decision.events
             )
             return replace(decision, reject=None, regate=None, events=events)

@@ -230,6 +230,7 @@ def _view(s: Scheduler, want: Loaded | None, catalog: Catalog, now: float, newer
         last_reload=e.served.last_reload,
         last_error=down or e.last_error,
         retry_in_s=None if not retry_at else round(max(0.0, retry_at - now), 1),
+        nodes=status.node_views(*e.nodes) if e.nodes else (),
         # Not while pinned (held on purpose) or unreachable (said by its own alert).
         newer=tuple(sorted(catalog.newer_than(e.served.serving_key())))
         if newer and e.served.up and catalog.pinned is None

@@ -12,19 +12,22 @@ good checkpoint) back at once, here, before the loop hears of it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from .. import failpoints
 from ..checkpoint import gate
+from ..checkpoint.files import Identity
 from ..checkpoint.order import Candidate
 from ..config import CanaryConfig
-from ..engine import canary, probe
+from ..engine import canary, nodes, probe
 from ..engine.client import EngineClient
+from ..engine.nodes import NodeState
 from ..engine.swap import Target, hot_swap
 from ..errors import EngineCallFailed, EngineError, EngineNotSetUp, ReloaderError, ReloadFailed
+from ..sources import content
 from ..threads import QueueWorker
 from .readiness import Drain
 from .state import Loaded
@@ -54,11 +57,17 @@ class Job:
     host_scan: gate.GateOptions | None = None
     """The gate skipped the NaN/Inf scan and this engine cannot do it: read the files for
     it here, before the pause (these options say how)."""
+    node: str | None = None
+    """A multi-node engine's leading daemon: this node's name in the staged markers (it marks
+    its own copy, then asks every rank whether its node holds the version, before the pause)."""
 
     @property
     def fallback(self) -> Target | None:
         back = self.rollback
-        return None if back is None else Target(back.version, back.path, back.files)
+        if back is None:
+            return None
+        staged = back.fingerprint if self.node and back.fingerprint and back.files is not None else None
+        return Target(back.version, back.path, back.files, staged)
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,10 @@ class Outcome:
     """The files were no longer the verified ones before the pause: nothing was sent."""
     non_finite: str | None = None
     """The host scan owed before the pause (`Job.host_scan`) found NaN/Inf: nothing was sent."""
+    nodes: tuple[NodeState, ...] = ()
+    """A multi-node engine: each node's word on the version, asked before the pause."""
+    not_staged: NodeState | None = None
+    """A node that does not hold the version verified: nothing was sent."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -152,6 +165,15 @@ class ReloadWorker(QueueWorker[Job | WarmUp | Ask]):
             return Outcome(job, 0.0, changed=problem)
         if job.host_scan is not None and (scanned := _host_scan(job, job.host_scan)) is not None:
             return scanned
+        target = job.target
+        if target.staged is not None and job.node is not None and target.files is not None:
+            states = states_of(job.client, target.path, target.staged, target.files, job.node)
+            if (short := nodes.first_short(states)) is not None:
+                return Outcome(job, 0.0, nodes=states, not_staged=short)
+            return replace(self._drained_swap(job, started), nodes=states)
+        return self._drained_swap(job, started)
+
+    def _drained_swap(self, job: Job, started: float) -> Outcome:
         if job.drain is None:
             return self._swap(job, started)
         drained = job.drain.out(job.client.url, job.client.requests_in_flight)
@@ -215,6 +237,22 @@ class ReloadWorker(QueueWorker[Job | WarmUp | Ask]):
             (n for n in range(1, FLUSH_PROBES + 1) if canary.probe(job.client, job.canary) is None), 0
         )
         return replace(outcome, timings=timings, canary_failed=reason, rolled_back=True, flush_probes=flushes)
+
+
+def states_of(
+    client: EngineClient, path: str, fingerprint: str, files: Mapping[str, Identity], node: str
+) -> tuple[NodeState, ...]:
+    """A multi-node engine: this node's copy marked as verified (with the files its gate
+    verified), then every rank asked whether its node holds the same; an engine that cannot
+    answer is one short node."""
+    try:
+        content.mark_staged(Path(path), node, fingerprint, files)
+    except OSError as exc:
+        return (NodeState(node, (), f"cannot mark its own copy as verified: {exc}"),)
+    try:
+        return nodes.node_states(client.staged(path, fingerprint))
+    except EngineError as exc:
+        return (NodeState("the engine", (), f"could not ask its ranks: {exc}"),)
 
 
 def _host_scan(job: Job, options: gate.GateOptions) -> Outcome | None:

@@ -34,6 +34,7 @@ from .jobs import Job, Outcome
 from .metrics import Metrics
 from .reverify import Reverified
 from .scheduler import Slot, Work
+from .staging import Staging
 from .state import Loaded
 
 NOT_CLEAN = "not clean after its rollback: out until a reload passes on it, or it restarts"
@@ -56,6 +57,7 @@ class Loads:
         self.metrics, self.log = metrics, log
         self.ready: Ready | None = None
         """A verdict of `ready` on the newest version, waiting for the canary engine."""
+        self.staging = Staging(config.rollout.host if config.node.role == "lead" else None, log)
         self.recalls = fleet.Recalls(log)
         self.targets = rollback.Targets(post, metrics, log)
         unclean = book.records.all(UNCLEAN)
@@ -102,6 +104,8 @@ class Loads:
             self.ready = replace(self.ready, hold_until=now + held)
         if self.targets.holding(canary) and now < (self.ready.hold_until or 0.0):
             return None
+        if self.staging.owed(self.ready):  # a multi-node engine: every node holds it first
+            return self.staging.ask(canary, self.ready)
         ready, self.ready = self.ready, None
         return self._work(canary, ready.candidate, ready.loading, ready.size, scanned=ready.host_scanned)
 
@@ -134,7 +138,9 @@ class Loads:
             **({} if lag_ms is None else {"detect_ms": lag_ms}),
             strategy=strategy, loader="extension" if served.extension else "builtin",
         )  # fmt: skip
-        target = Target(loading.version, loading.path, loading.files)
+        node = config.rollout.host if config.node.role == "lead" else None
+        staged = loading.fingerprint if node and loading.fingerprint and loading.files is not None else None
+        target = Target(loading.version, loading.path, loading.files, staged)
         owed, both = not scanned and config.gate.check_finite, config.gate.scan == "both"
         host_scan = None
         if owed and not engine.can_scan(config):
@@ -143,7 +149,7 @@ class Loads:
             client=engine.client, candidate=candidate, target=target, rollback=fallback, loading=loading,
             size=size, canary=config.canary, strategy=strategy, extension=served.extension,
             scan=(owed and host_scan is None) or (engine.scans(config) and (not scanned or both)),
-            host_scan=host_scan,
+            host_scan=host_scan, node=node,
         )  # fmt: skip
         return Work(
             "restore" if restore else "reload", job, lambda outcome: self.finished(engine, outcome),
@@ -189,6 +195,10 @@ class Loads:
         error = outcome.error
         scan_failed = outcome.job.scan and isinstance(error, ReloadFailed) and error.unjudged
         engine.probed(outcome.timings or {}, scan_failed=scan_failed)
+        if outcome.nodes:  # a multi-node engine's nodes, as its ranks last said (`status`)
+            engine.nodes = (outcome.job.target.version, outcome.nodes)
+        if outcome.not_staged is not None:
+            self.staging.lost()
         follower = engine is not self.canary
         if follower or decision.refused:  # refused for memory: no verdict, the same one again later
             decision = engine.as_follower(decision)
@@ -212,7 +222,8 @@ class Loads:
         served, labels = engine.served, {"engine": engine.url}
         if decision.result == "succeeded":
             failpoints.hit("after_version")  # the engine serves it; nothing recorded yet
-        self.metrics.reloads.labels(result=decision.result, **labels).inc()
+        if decision.result != "waiting":  # nothing was sent to the engine
+            self.metrics.reloads.labels(result=decision.result, **labels).inc()
         if decision.resume_owed:
             served.resume_owed = True
         if decision.rollback:

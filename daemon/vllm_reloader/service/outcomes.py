@@ -32,8 +32,9 @@ class Rejecting:
 
 @dataclass(frozen=True)
 class Decision:
-    result: Literal["succeeded", "failed", "changed"]
-    """The reloads metric's label (`changed`: a writer changed the files; nothing to blame)."""
+    result: Literal["succeeded", "failed", "changed", "waiting"]
+    """The reloads metric's label (`changed`: a writer changed the files; nothing to blame;
+    `waiting`: a node of a multi-node engine does not hold the version yet, nothing was sent)."""
     events: tuple[Event, ...] = ()
     """Logged in this order."""
     resume_owed: bool = False
@@ -56,6 +57,12 @@ class Decision:
     memory, or the probe gave no answer): the engine tries it again later, nothing blamed."""
 
 
+NOT_STAGED_FIX = (
+    "nothing if that node's stage daemon is downloading it (the reload follows); else start it there "
+    '(vllm-reloader run with [node] role = "stage"), or free its disk'
+)
+
+
 def decide(outcome: Outcome, *, now: float) -> Decision:
     job = outcome.job
     version, path = job.target.version, job.target.path
@@ -66,6 +73,10 @@ def decide(outcome: Outcome, *, now: float) -> Decision:
     if outcome.changed is not None:
         events.append(_changed(outcome, outcome.changed, "before_pause"))
         return Decision("changed", tuple(events), owed, regate=job.candidate.name)
+    if (short := outcome.not_staged) is not None:  # nothing sent: tried again as the node catches up
+        fields = {"version": version, "node": short.node, "reason": short.problem, "fix": NOT_STAGED_FIX}
+        events.append(Event("warning", "node.not_staged", fields))
+        return Decision("waiting", tuple(events), owed, refused=True)
     if outcome.non_finite is not None:  # nothing sent: the checkpoint's own bytes
         candidate = job.candidate
         blame = Rejecting(candidate.name, version, outcome.non_finite, candidate.fingerprint, "finite")

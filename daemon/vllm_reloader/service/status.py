@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import time
 import unicodedata
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.nodes import NodeState
 from .catalog import Catalog
 from .gating import Gating
 from .jobs import Job
@@ -37,6 +38,8 @@ class EngineView:
     newer: tuple[str, ...] = ()
     """Candidates newer than what it serves, not rejected (pending ones included): what it has
     yet to serve (the metrics time how long it has been behind)."""
+    nodes: tuple[dict[str, Any], ...] = ()
+    """A multi-node engine: each node's staging state, as its ranks last said (`node_views`)."""
 
     def answer(self) -> dict[str, Any]:
         return {
@@ -48,7 +51,14 @@ class EngineView:
             "last_reload": dict(self.last_reload) if self.last_reload else None,
             "last_error": self.last_error,
             "retry_in_s": self.retry_in_s,
+            **({"nodes": list(self.nodes)} if self.nodes else {}),
         }
+
+
+def node_views(version: str, states: Sequence[NodeState]) -> tuple[dict[str, Any], ...]:
+    return tuple(
+        {"node": s.node, "ranks": list(s.ranks), "version": version, "problem": s.problem} for s in states
+    )
 
 
 @dataclass(frozen=True)
@@ -188,6 +198,12 @@ def _engine_line(engine: dict[str, Any]) -> str:
     return line
 
 
+def _node_line(node: dict[str, Any]) -> str:
+    """One node of a multi-node engine, as its ranks said before the last reload of `version`."""
+    found = f"NOT STAGED: {node['problem']}" if node.get("problem") else "staged and verified"
+    return f"node      {node['node']}  {node['version']}: {found}"
+
+
 def _rolled_back(last: dict[str, Any]) -> str:
     to = last.get("rolled_back_to")
     return f" ROLLED BACK to {to} ({last.get('cause')})" if to else ""
@@ -231,6 +247,8 @@ def render(answer: dict[str, Any]) -> str:
     engines = answer.get("engines", [])
     if len(engines) > 1:
         lines.extend(_engine_line(e) for e in engines)
+    for engine_nodes in (e.get("nodes", []) for e in engines):
+        lines.extend(_node_line(n) for n in engine_nodes)
     if answer.get("serving") and "rollback" in answer:
         back = answer["rollback"]
         lines.append(  # the target, not a rollback that happened: "to", "if a reload fails"

@@ -16,6 +16,7 @@ A lease of `ALL` on a kind keeps every entry of it (an engine whose adapters are
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -23,6 +24,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from ..checkpoint.files import Identity
+from ..checkpoint.staged import staged_marker
+from ..durable import replace_atomically
 from ..errors import StateError
 from ..records import RecordStore
 
@@ -110,9 +114,25 @@ class ContentStore:
         return deleted
 
 
+def mark_staged(copy: Path, node: str, fingerprint: str, files: Mapping[str, Identity]) -> None:
+    """Say, beside `copy`, that this node's daemon verified `fingerprint` there with these files
+    (what every rank of a multi-node engine reads before it loads). Raises OSError."""
+    marker = {
+        "format": 1,
+        "node": node,
+        "fingerprint": fingerprint,
+        "files": {k: list(v) for k, v in files.items()},
+    }
+    replace_atomically(staged_marker(copy), json.dumps(marker, sort_keys=True).encode())
+
+
 def _remove(path: Path) -> bool:
     """Renamed to a dot-name first (no watcher or gate ever sees one half-deleted), then
-    deleted; whether it is gone."""
+    deleted, its staged marker first (none ever vouches for a copy half gone); whether it is gone."""
+    try:
+        staged_marker(path).unlink(missing_ok=True)
+    except OSError:
+        return False
     if not os.path.lexists(path):
         return True
     doomed = path.with_name(f".deleting-{secrets.token_hex(8)}")  # short: a name may be 255 bytes
