@@ -21,6 +21,7 @@ from .. import failpoints
 from ..checkpoint import gate
 from ..checkpoint.files import Identity
 from ..checkpoint.order import Candidate
+from ..checkpoint.staged import staged_marker
 from ..config import CanaryConfig
 from ..engine import canary, nodes, probe
 from ..engine.client import EngineClient
@@ -247,8 +248,10 @@ def states_of(
     answer is one short node."""
     try:
         content.mark_staged(Path(path), node, fingerprint, files)
-    except OSError as exc:
-        return (NodeState(node, (), f"cannot mark its own copy as verified: {exc}"),)
+    except OSError as exc:  # the same words at every try (no temporary file's name): said once
+        where = staged_marker(Path(path)).parent
+        why = f"cannot mark its own copy as verified in {where}: {exc.strerror or exc}"
+        return (NodeState(node, (), why),)
     try:
         return nodes.node_states(client.staged(path, fingerprint))
     except EngineError as exc:

@@ -297,9 +297,9 @@ class Stage:
         try:
             mark_staged(directory, self.config.rollout.host, verdict.fingerprint, verdict.files)
         except OSError as exc:
-            self.log.error(
-                "node.stage_failed", name=directory.name, reason=f"cannot mark it as verified: {exc}"
-            )
+            where = staged_marker(directory).parent
+            why = f"cannot mark it as verified in {where}: {exc.strerror or exc}"
+            self.log.error("node.stage_failed", name=directory.name, reason=why)
             return
         self._add(directory.name, candidate)
         self.log.info(

@@ -123,6 +123,7 @@ def mark_staged(copy: Path, node: str, fingerprint: str, files: Mapping[str, Ide
         "fingerprint": fingerprint,
         "files": {k: list(v) for k, v in files.items()},
     }
+    staged_marker(copy).parent.mkdir(exist_ok=True)
     replace_atomically(staged_marker(copy), json.dumps(marker, sort_keys=True).encode())
 
 
