@@ -133,14 +133,20 @@ class DaemonProcess:
     """`vllm-reloader run` as a subprocess, its JSON log lines collected as they come."""
 
     def __init__(
-        self, config_path: Path, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+        self,
+        config_path: Path,
+        *args: str,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        prefix: tuple[str, ...] = (),
     ) -> None:
+        """`prefix`: what runs it (`nsenter` into a node's mount namespace)."""
         self.lines: list[dict[str, object]] = []
         self.raw: list[str] = []
         self._new: queue.SimpleQueue[None] = queue.SimpleQueue()
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_API_KEY": API_KEY, **(env or {})}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "vllm_reloader", "run", "--config", str(config_path), *args],
+            [*prefix, sys.executable, "-m", "vllm_reloader", "run", "--config", str(config_path), *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, cwd=cwd,
         )  # fmt: skip
         self._reader = threading.Thread(target=self._read, daemon=True)

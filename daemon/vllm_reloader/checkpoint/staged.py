@@ -55,11 +55,12 @@ def read_staged(copy: Path) -> Staged:
 def staged_problem(copy: Path, fingerprint: str) -> tuple[Staged | None, str | None]:
     """This node's marker of `copy`, and why it does not hold `fingerprint` verified there now
     (None: it does). What every rank answers before a reload of a multi-node engine."""
+    if not copy.is_dir():
+        return None, f"no copy at {copy} (is this node's stage daemon running?)"
     try:
         staged = read_staged(copy)
     except FileNotFoundError:
-        where = "no copy" if not copy.exists() else "a copy no daemon marked as verified"
-        return None, f"{where} at {copy} (is this node's stage daemon running?)"
+        return None, f"a copy no daemon marked as verified at {copy} (is this node's stage daemon running?)"
     except (OSError, ValueError) as exc:
         return None, f"{staged_marker(copy)} cannot be read: {exc}"
     if staged.fingerprint != fingerprint:
