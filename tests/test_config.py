@@ -15,6 +15,8 @@ url = "http://127.0.0.1:8000/"
 dir = "/var/lib/vllm-reloader"
 """
 
+STORE = MINIMAL.replace('path = "/srv/checkpoints"', 'path = "s3://bucket/runs"')
+
 
 @pytest.fixture(autouse=True)
 def no_secrets_left() -> Iterator[None]:
@@ -50,6 +52,11 @@ def test_config_is_frozen():
         (MINIMAL.replace('url = "http', 'pause_mode = "drop"\nurl = "http'), "engine.pause_mode"),
         (MINIMAL + '[gate]\nscan = "gpu"\n', "gate.scan"),
         (MINIMAL + '[gate]\nscan = "engine"\n[canary]\nprobe = false\n', "set canary.probe = true"),
+        (MINIMAL + '[node]\nrole = "lead"\n', "node.role = lead needs an object-store source.path"),
+        (STORE + '[node]\nrole = "stage"\n', "node.role = stage needs node.leader"),
+        (STORE + '[node]\nrole = "lead"\n[rollout]\nrole = "follow"\n', "rollout.role = canary"),
+        (STORE + '[node]\nrole = "stage"\nleader = "../x"\n', "node.leader"),
+        (STORE + '[node]\nrole = "leader"\n', "node.role"),
     ],
 )
 def test_config_error_names_the_key_on_one_line(text, message):
@@ -197,3 +204,13 @@ def test_config_converter_runs_on_a_local_root_only():
     assert config.parse(
         MINIMAL.replace('"/srv/checkpoints"', '"/srv/c"\nconverter = ["/bin/true", "{output}"]')
     )
+
+
+def test_config_of_a_stage_node_needs_no_engine():
+    """A headless node serves no HTTP: its daemon's config leaves `[engine]` out."""
+    text = '[source]\npath = "s3://bucket/runs"\n[state]\ndir = "/var/lib/r"\n'
+    text += '[node]\nrole = "stage"\nleader = "node-0"\n'
+    cfg = config.parse(text)
+    assert (cfg.node.role, cfg.node.leader) == ("stage", "node-0")
+    with pytest.raises(ConfigError, match="engine: required key is missing"):
+        config.parse(text.replace('role = "stage"', 'role = "single"'))

@@ -23,6 +23,7 @@ from tests.support.fake_engine import BadSteps, FakeEngine
 from tests.support.store_fixtures import Bucket
 from vllm_reloader import config
 from vllm_reloader.checkpoint.staged import staged_marker
+from vllm_reloader.service import status
 from vllm_reloader.service.daemon import Daemon
 from vllm_reloader.service.messages import SignalReceived
 from vllm_reloader.service.stage import Stage
@@ -143,9 +144,14 @@ def test_lead_reloads_once_every_node_holds_the_version_verified(nodes: Nodes):
 
 
 def test_lead_never_pauses_while_a_node_lacks_the_version_and_loads_once_its_stage_daemon_runs(nodes: Nodes):
-    nodes.lead()
+    lead = nodes.lead()
     nodes.publish("step-1", step=1)
     short = nodes.wait_for("node.not_staged", version="step-1")
+    shown = status.render(status.answer(lead.snapshot())).splitlines()
+    assert "node      node 0 (leader)  step-1: staged and verified" in shown
+    assert any(
+        line.startswith(f"node      node 1 ({NODE})  step-1: NOT STAGED: no copy at") for line in shown
+    )
     assert short["node"] == f"node 1 ({NODE})" and "no copy at" in short["reason"]
     assert short["retry_in_s"] > 0 and "stage" in short["fix"]
     assert not nodes.paused() and nodes.engine.loaded == str(nodes.startup)
