@@ -33,6 +33,20 @@ def test_daemon_exits_2_naming_the_variable_when_dev_mode_is_off(start, root, ma
     assert not running.events("engine.unreachable") and not running.events("engine.error"), "no retries"
 
 
+def test_daemon_exits_2_before_any_reload_of_an_engine_over_several_nodes_it_does_not_lead(
+    start, root, make_checkpoint
+):
+    """Each rank reads the path on its own node: a single-node daemon cannot vouch for them."""
+    engine = FakeEngine(startup=str(make_checkpoint("step-1", step=1, root=root)))
+    engine.nnodes, engine.extension = 2, True
+    running = start(engine)
+    make_checkpoint("step-2", step=2, root=root)
+    stopped_with(running, 2)
+    [line] = running.events("daemon.not_runnable")
+    assert "runs on 2 nodes" in line["reason"] and 'role = "lead"' in line["reason"]
+    assert not [c for c in engine.calls if c.startswith("reload:")] and "/pause" not in engine.calls
+
+
 def test_daemon_exits_2_when_the_engine_lacks_a_route_it_drives(start, root, make_checkpoint):
     engine = FakeEngine(startup=str(make_checkpoint("step-1", step=1, root=root)))
     engine.release, engine.routes = "0.26.0", set(REQUIRED_ROUTES) - {"/collective_rpc"}

@@ -98,6 +98,8 @@ class FakeEngine:
         self.other_nodes: dict[str, tuple[Path, Path]] = {}
         """A multi-node engine: each other node's host → (the leader's cache, that node's): a path
         under the first is read under the second there, as a rank on that node would."""
+        self.nnodes = 1
+        """`--nnodes`, as `/server_info`'s parallel_config says."""
         self.staged_asks: list[str] = []
         """The paths every rank was asked about (`reloader_staged`), in order."""
         self.staged_loads: list[tuple[str, str]] = []
@@ -144,7 +146,10 @@ class FakeEngine:
         if path == "/server_info":
             model_config = {"model": self.startup, "revision": self.revision}
             model_config["enable_sleep_mode"] = self.sleep_mode
-            parallel_config = {"worker_extension_cls": EXTENSION if self.extension else ""}
+            parallel_config = {
+                "worker_extension_cls": EXTENSION if self.extension else "",
+                "nnodes": self.nnodes,
+            }
             config = {"model_config": model_config, "parallel_config": parallel_config}
             if self.lora_config != ():
                 config["lora_config"] = self.lora_config

@@ -21,7 +21,7 @@ from ..config import EngineConfig
 from ..errors import EngineCallFailed, EngineError, EngineUnavailable
 from .capabilities import ADAPTER_ROUTES, OPTIONAL_ROUTES, REQUIRED_ROUTES, Capabilities
 from .loads import load_report
-from .serverinfo import ServerConfig, lora_of, str_or_none
+from .serverinfo import ServerConfig, lora_of, nnodes_of, reload_mode_of, str_or_none
 
 RELOADING_PREFIX = "reloading:"
 EXTENSION = "vllm_reloader.extension.ReloadExtension"
@@ -132,10 +132,9 @@ class EngineClient:
             sleep_mode=bool(config["model_config"].get("enable_sleep_mode")),
             extension=(config.get("parallel_config") or {}).get("worker_extension_cls") == EXTENSION,
             revision=str_or_none(config["model_config"].get("revision")),
-            reload_mode=str_or_none(env.get("VLLM_RELOAD_MODE"))
-            if isinstance(env := body.get("vllm_env"), dict)
-            else None,
+            reload_mode=reload_mode_of(body.get("vllm_env")),
             lora=lora_of(config.get("lora_config", ())),
+            nnodes=nnodes_of(config.get("parallel_config")),
         )
 
     def capabilities(self) -> Capabilities:

@@ -34,6 +34,8 @@ class ServerConfig:
     """`VLLM_RELOAD_MODE` (0.34+: `layerwise` or `direct`); None where vLLM has no such setting."""
     lora: Lora | None = UNSAID
     """None: started without `--enable-lora`."""
+    nnodes: int = 1
+    """`--nnodes`: the nodes its ranks run on (each reads a checkpoint path on its own node)."""
 
 
 def lora_of(found: object) -> Lora | None:
@@ -48,3 +50,13 @@ def lora_of(found: object) -> Lora | None:
 
 def str_or_none(value: object) -> str | None:
     return value if isinstance(value, str) and value else None
+
+
+def nnodes_of(parallel: object) -> int:
+    found = parallel.get("nnodes") if isinstance(parallel, dict) else None
+    return found if type(found) is int and found > 0 else 1
+
+
+def reload_mode_of(env: object) -> str | None:
+    """`VLLM_RELOAD_MODE` in `/server_info`'s `vllm_env` (0.34+)."""
+    return str_or_none(env.get("VLLM_RELOAD_MODE")) if isinstance(env, dict) else None

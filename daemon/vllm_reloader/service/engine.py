@@ -255,6 +255,7 @@ class Engine:
             config, whole.readiness.drain, found, server, self.log, whole.adapters.root is not None
         )
         served.sleep_capable, served.extension, served.lora = server.sleep_mode, server.extension, server.lora
+        setup.nodes(whole.node.role, server, served.extension)
         if not server.extension:
             self.log.warning("engine.builtin_loader", reason=BUILTIN_LOADER_RISK, fix=BUILTIN_LOADER_FIX)
             self.no_probe(f"the engine runs without the worker extension: {BUILTIN_LOADER_FIX}")

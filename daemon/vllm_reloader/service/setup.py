@@ -143,3 +143,18 @@ def no_baseline(
         f"cannot read the served model's safetensors headers (looked in {looked}): "
         "set [engine] baseline = a directory with the model's safetensors, readable to the daemon"
     )
+
+
+def nodes(role: str, server: ServerConfig, extension: bool) -> None:
+    """An engine over several nodes reads every path on each node's own disk: only a leading
+    daemon (every node's copy verified first) may reload it, through the worker extension."""
+    if server.nnodes > 1 and role != "lead":
+        raise EngineNotSetUp(
+            f"the engine runs on {server.nnodes} nodes (--nnodes), each reading its own copy: set "
+            '[node] role = "lead" here and run a daemon with [node] role = "stage" beside each other node'
+        )
+    if server.nnodes > 1 and not extension:
+        raise EngineNotSetUp(
+            f"the engine runs on {server.nnodes} nodes: each node's copy is checked by the worker extension; "
+            "start vLLM with --worker-extension-cls vllm_reloader.extension.ReloadExtension"
+        )
