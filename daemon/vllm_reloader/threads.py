@@ -92,3 +92,17 @@ class LoopWorker(Worker):
 
     def turn(self) -> None:
         raise NotImplementedError
+
+
+def take_all(inbox: queue.SimpleQueue[J], timeout: float) -> list[J]:
+    """What the inbox holds once something is there (waiting at most `timeout`), all of it:
+    a loop acts on a burst in one turn."""
+    try:
+        found = [inbox.get(timeout=timeout)]
+    except queue.Empty:
+        return []
+    while True:
+        try:
+            found.append(inbox.get_nowait())
+        except queue.Empty:
+            return found

@@ -27,6 +27,7 @@ from ..records import RecordStore
 from ..sources.content import ContentStore
 from ..sources.convert import Converter
 from ..sources.verdicts import Verdict
+from ..threads import take_all
 from . import parts, paths, reconfigure, status, views
 from .adapters import Adapters
 from .control import ControlServer, Request
@@ -216,16 +217,7 @@ class Daemon:
             timeout = min(timeout, max(0.0, self.reporting.resend_at - time.monotonic()))
         if self.stopping_since is not None:
             timeout = min(timeout, 0.5)
-        try:
-            messages = [self.inbox.get(timeout=timeout)]
-        except queue.Empty:
-            return
-        while True:
-            try:
-                messages.append(self.inbox.get_nowait())
-            except queue.Empty:
-                break
-        for message in messages:
+        for message in take_all(self.inbox, timeout):
             self._dispatch(message)
 
     # -- the one place messages are acted on ----------------------------------------------------

@@ -36,7 +36,7 @@ from ..sources.arrivals import Arrivals
 from ..sources.content import SOURCE_HOLDER, ContentStore, mark_staged
 from ..sources.objstore import Store
 from ..sources.remote import Downloaded, Rejected, RemoteSource
-from ..threads import LoopWorker
+from ..threads import LoopWorker, take_all
 from . import paths
 from .gating import GateFinished, Gater
 from .messages import SignalReceived
@@ -211,16 +211,7 @@ class Stage:
 
     def _wait(self) -> None:
         timeout = min(self.config.source.interval, self.notifier.watchdog_interval or 60.0)
-        try:
-            messages = [self.inbox.get(timeout=timeout)]
-        except queue.Empty:
-            return
-        while True:
-            try:
-                messages.append(self.inbox.get_nowait())
-            except queue.Empty:
-                break
-        for message in messages:
+        for message in take_all(self.inbox, timeout):
             self._dispatch(message)
 
     def _dispatch(self, message: object) -> None:
