@@ -57,7 +57,7 @@ def test_config_is_frozen():
         (STORE + '[node]\nrole = "lead"\n[rollout]\nrole = "follow"\n', "rollout.role = canary"),
         (STORE + '[node]\nrole = "stage"\nleader = "../x"\n', "node.leader"),
         (STORE + '[node]\nrole = "leader"\n', "node.role"),
-        (STORE + '[node]\nrole = "lead"\n[canary]\nenabled = false\n', "canary.enabled = true"),
+        (STORE + '[node]\nrole = "lead"\n[canary]\nenabled = false\n', "set canary.enabled"),
     ],
 )
 def test_config_error_names_the_key_on_one_line(text, message):

@@ -335,7 +335,7 @@ class Config(Section):
         if self.node.role == "stage" and self.node.leader is None:
             raise ValueError("node.role = stage needs node.leader: the leading daemon's [rollout] host")
         if self.node.role == "lead" and not self.canary.enabled:
-            raise ValueError("node.role = lead records the passes its stage nodes keep: canary.enabled = true")
+            raise ValueError("node.role = lead records the passes its stage nodes keep: set canary.enabled")
         if self.node.role == "lead" and self.rollout.role != "canary":
             raise ValueError(
                 "node.role = lead records verdicts for its stage nodes: set rollout.role = canary"
