@@ -86,3 +86,9 @@ def test_a_marker_that_lists_no_files_vouches_for_nothing(copy: Path):
     mark_staged(copy, "node-1", FP, {})
     _, problem = staged_problem(copy, FP)
     assert problem is not None and "lists no files" in problem
+
+
+def test_a_marker_naming_a_file_through_a_file_is_a_problem_never_an_exception(copy: Path):
+    mark_staged(copy, "node-1", FP, {"model.safetensors/x": (1, 2, 3, 4, 5)})
+    _, problem = staged_problem(copy, FP)
+    assert problem is not None and "cannot be looked at" in problem

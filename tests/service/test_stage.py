@@ -6,7 +6,7 @@ from vllm_reloader.service.stage import Copy, stage_holds
 
 def copy(step: int) -> Copy:
     fp = f"{step:02d}" * 32
-    return Copy(f"step-{step}@{fp[:16]}", order.Candidate(f"step-{step}@{fp[:16]}", step, fp))
+    return Copy(f"step-{step}@{fp[:16]}", order.Candidate(f"step-{step}@{fp[:16]}", step, fp), {})
 
 
 def fp(step: int) -> str:

@@ -20,7 +20,7 @@ import math
 import os
 import stat
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,7 +120,7 @@ def parse_json(data: bytes) -> Any:
         raise ValueError("JSON nested too deeply") from exc
 
 
-def changed(directory: Path, expected: Mapping[str, Identity]) -> str | None:
+def changed(directory: Path, expected: Mapping[str, Sequence[int]]) -> str | None:
     """The first file under `directory` whose identity is no longer the expected one."""
     for name, want in expected.items():
         try:

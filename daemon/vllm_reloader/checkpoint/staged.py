@@ -44,8 +44,10 @@ def read_staged(copy: Path) -> Staged:
         raise ValueError("a staged marker needs node, fingerprint and files")
     files: dict[str, Identity] = {}
     for name, want in listed.items():
-        if name.startswith("/") or ".." in Path(name).parts:
-            raise ValueError(f"a staged marker names {name!r}, outside its copy")
+        parts = Path(name).parts
+        odd = not name or "\0" in name or len(name.encode(errors="replace")) > 4096 or name.startswith("/")
+        if odd or ".." in parts or any(len(p.encode(errors="replace")) > 255 for p in parts):
+            raise ValueError(f"a staged marker names {name[:100]!r}, not a file of its copy")
         if not (isinstance(want, list) and len(want) == 5 and all(type(n) is int for n in want)):
             raise ValueError(f"a staged marker's identity of {name!r} is not five integers")
         files[str(name)] = (want[0], want[1], want[2], want[3], want[4])
@@ -64,9 +66,13 @@ def staged_problem(copy: Path, fingerprint: str) -> tuple[Staged | None, str | N
     except (OSError, ValueError) as exc:
         return None, f"{staged_marker(copy)} cannot be read: {exc}"
     if staged.fingerprint != fingerprint:
-        return staged, f"{copy} holds content {staged.fingerprint[:16]}, not {fingerprint[:16]}"
+        return staged, f"{copy} holds content {staged.fingerprint}, not {fingerprint}"
     if not staged.files:
         return staged, f"{staged_marker(copy)} lists no files"
-    if problem := changed(copy, staged.files):
+    try:
+        problem = changed(copy, staged.files)
+    except (OSError, ValueError) as exc:  # a name through a file, one the node may not read
+        problem = f"cannot be looked at: {exc}"
+    if problem:
         return staged, f"changed since {staged.node} verified it: {problem}"
     return staged, None

@@ -19,7 +19,7 @@ from .. import failpoints
 from ..checkpoint.files import Identity
 from ..checkpoint.files import changed as files_changed
 from ..errors import EngineCallFailed, EngineError, EngineUnavailable, ReloadFailed
-from . import capabilities
+from . import capabilities, nodes
 from .client import RELOADING_PREFIX, EngineClient
 from .probe import Finding
 
@@ -38,6 +38,17 @@ class Target:
     def changed(self) -> str | None:
         """Why the files are no longer the verified ones, or None."""
         return None if self.files is None else files_changed(Path(self.path), self.files)
+
+
+def _short_node(client: EngineClient, target: Target) -> bool:
+    """A multi-node engine: whether a node no longer holds the target as verified (its rank
+    refused the load: a hand or a disk at its copy, no fault of the checkpoint's)."""
+    if target.staged is None:
+        return False
+    try:
+        return nodes.first_short(nodes.node_states(client.staged(target.path, target.staged))) is not None
+    except EngineError:
+        return False
 
 
 @contextmanager
@@ -108,7 +119,7 @@ def hot_swap(
                     target.path, extension=extension, files=target.files, staged=target.staged
                 )
         except EngineError as exc:  # a writer at the files makes it no fault of the checkpoint's
-            changed = target.changed() is not None
+            changed = target.changed() is not None or _short_node(client, target)
             woken = _wake(client, asleep)
             # Refused for want of memory (vLLM 0.34+) rank by rank: another rank may have loaded.
             refused = _refused(exc, target)

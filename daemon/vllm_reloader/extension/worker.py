@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from .. import failpoints
-from ..checkpoint.staged import staged_problem
+from ..checkpoint.files import changed
+from ..checkpoint.staged import staged_marker, staged_problem
 from .probe import probe, probe_adapter
 from .readers import DTYPES, BufferPool, Checkpoint, LoadStats, layer_order, plan, read_weights, runs
 
@@ -101,10 +102,7 @@ class ReloadExtension:
         if reader != "buffered":
             raise ValueError(f"reader {reader!r}: only buffered (a mapped read dies on a truncated file)")
         if staged is not None:
-            marker, problem = staged_problem(Path(path), staged)
-            if problem is not None or marker is None:
-                raise ValueError(f"{socket.gethostname()} (rank {getattr(self, 'rank', None)}): {problem}")
-            files = {name: list(found) for name, found in marker.files.items()}
+            files = _this_nodes(Path(path), staged, files, getattr(self, "rank", None))
         failpoints.hit("load_start", rank=getattr(self, "rank", None))
         model = self.model_runner.get_model()
         memory = DeviceMemory(self.device)
@@ -156,6 +154,24 @@ class ReloadExtension:
         """The forward pass with the adapter at `path` active, before clients can name it."""
         failpoints.hit("probe", rank=getattr(self, "rank", None))
         return probe_adapter(self, path, tokens)
+
+
+def _this_nodes(
+    copy: Path, fingerprint: str, leaders: dict[str, list[int]] | None, rank: int | None
+) -> dict[str, list[int]]:
+    """The files this rank may read: on the leading daemon's node, the ones it verified (its
+    marker must say the same); on another node, the ones that node's daemon marked. Refused
+    (before anything is read) where the node does not hold `fingerprint` verified."""
+    where = f"{socket.gethostname()} (rank {rank})"
+    marker, problem = staged_problem(copy, fingerprint)
+    if problem is not None or marker is None:
+        raise ValueError(f"{where}: {problem}")
+    marked = {name: list(found) for name, found in marker.files.items()}
+    if leaders is not None and changed(copy, leaders) is None:
+        if marked != leaders:  # the leader's node: its marker must be the leader's word
+            raise ValueError(f"{where}: {staged_marker(copy)} is not what the leading daemon verified")
+        return leaders
+    return marked
 
 
 def _pool(worker: Any) -> BufferPool:

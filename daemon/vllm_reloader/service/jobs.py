@@ -12,14 +12,13 @@ good checkpoint) back at once, here, before the loop hears of it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from .. import failpoints
 from ..checkpoint import gate
-from ..checkpoint.files import Identity
 from ..checkpoint.order import Candidate
 from ..checkpoint.staged import staged_marker
 from ..config import CanaryConfig
@@ -58,6 +57,8 @@ class Job:
     host_scan: gate.GateOptions | None = None
     """The gate skipped the NaN/Inf scan and this engine cannot do it: read the files for
     it here, before the pause (these options say how)."""
+    restore: bool = False
+    """Weights of unknown mix loaded back (nothing new: no verdict, no drain)."""
     node: str | None = None
     """A multi-node engine's leading daemon: this node's name in the staged markers (it marks
     its own copy, then asks every rank whether its node holds the version, before the pause)."""
@@ -166,9 +167,8 @@ class ReloadWorker(QueueWorker[Job | WarmUp | Ask]):
             return Outcome(job, 0.0, changed=problem)
         if job.host_scan is not None and (scanned := _host_scan(job, job.host_scan)) is not None:
             return scanned
-        target = job.target
-        if target.staged is not None and job.node is not None and target.files is not None:
-            states = states_of(job.client, target.path, target.staged, target.files, job.node)
+        if job.target.staged is not None and job.node is not None:
+            states = states_of(job.client, job.node, job.target, job.fallback)
             if (short := nodes.first_short(states)) is not None:
                 return Outcome(job, 0.0, nodes=states, not_staged=short)
             return replace(self._drained_swap(job, started), nodes=states)
@@ -241,21 +241,33 @@ class ReloadWorker(QueueWorker[Job | WarmUp | Ask]):
 
 
 def states_of(
-    client: EngineClient, path: str, fingerprint: str, files: Mapping[str, Identity], node: str
+    client: EngineClient, node: str, target: Target, fallback: Target | None
 ) -> tuple[NodeState, ...]:
-    """A multi-node engine: this node's copy marked as verified (with the files its gate
-    verified), then every rank asked whether its node holds the same; an engine that cannot
-    answer is one short node."""
-    try:
-        content.mark_staged(Path(path), node, fingerprint, files)
-    except OSError as exc:  # the same words at every try (no temporary file's name): said once
-        where = staged_marker(Path(path)).parent
-        why = f"cannot mark its own copy as verified in {where}: {exc.strerror or exc}"
-        return (NodeState(node, (), why),)
-    try:
-        return nodes.node_states(client.staged(path, fingerprint))
-    except EngineError as exc:
-        return (NodeState("the engine", (), f"could not ask its ranks: {exc}"),)
+    """A multi-node engine: this node's copies of `target` and of what a failure would go back
+    to marked as verified (with the files this daemon verified, as they are now), then every
+    rank asked whether its node holds both; an engine that cannot answer is one short node."""
+    found: tuple[NodeState, ...] = ()
+    for one, what in ((target, ""), (fallback, "its rollback target ")):
+        if one is None or one.staged is None or one.files is None:
+            continue
+        try:
+            content.mark_staged(Path(one.path), node, one.staged, one.files)
+        except OSError as exc:  # the same words at every try (no temporary file's name): said once
+            where = staged_marker(Path(one.path)).parent
+            why = f"cannot mark {what}{one.version} as verified in {where}: {exc.strerror}"
+            return (NodeState(node, (), why),)
+        try:
+            states = nodes.node_states(client.staged(one.path, one.staged))
+        except EngineError as exc:
+            return (NodeState("the engine", (), f"could not ask its ranks: {exc}"),)
+        short = nodes.first_short(states)
+        if short is not None and what:  # said as what it is: the way back
+            named = replace(short, problem=f"{what}{one.version}: {short.problem}")
+            return tuple(named if s is short else s for s in states)
+        if short is not None:
+            return states
+        found = found or states
+    return found
 
 
 def _host_scan(job: Job, options: gate.GateOptions) -> Outcome | None:

@@ -74,7 +74,7 @@ class Loads:
         now = time.monotonic()
         if not engine.served.reconciled or slot.room <= 0:  # every base reload pauses its engine
             return None
-        if (restore := engine.restore) is not None:  # it may be paused: nothing would drain
+        if (restore := engine.restore) is not None and now >= engine.retry_at_follow():  # it may be paused
             engine.restore = None
             return self._work(engine, restore.candidate(), restore, 0, restore=True)
         if (back := self.recalls.plan(engine, now, self.rollback_target)) is not None:
@@ -104,8 +104,11 @@ class Loads:
             self.ready = replace(self.ready, hold_until=now + held)
         if self.targets.holding(canary) and now < (self.ready.hold_until or 0.0):
             return None
-        if self.staging.owed(self.ready):  # a multi-node engine: every node holds it first
-            return self.staging.ask(canary, self.ready)
+        if self.staging.owed(self.ready):  # a multi-node engine: every node holds it (and its way back)
+            back = self.rollback_target(canary, skip=self.ready.candidate.name)
+            staged = back.fingerprint if back and back.fingerprint and back.files is not None else None
+            fallback = Target(back.version, back.path, back.files, staged) if back else None
+            return self.staging.ask(canary, self.ready, fallback)
         ready, self.ready = self.ready, None
         return self._work(canary, ready.candidate, ready.loading, ready.size, scanned=ready.host_scanned)
 
@@ -149,7 +152,7 @@ class Loads:
             client=engine.client, candidate=candidate, target=target, rollback=fallback, loading=loading,
             size=size, canary=config.canary, strategy=strategy, extension=served.extension,
             scan=(owed and host_scan is None) or (engine.scans(config) and (not scanned or both)),
-            host_scan=host_scan, node=node,
+            host_scan=host_scan, node=node, restore=restore,
         )  # fmt: skip
         return Work(
             "restore" if restore else "reload", job, lambda outcome: self.finished(engine, outcome),
@@ -197,8 +200,10 @@ class Loads:
         engine.probed(outcome.timings or {}, scan_failed=scan_failed)
         if outcome.nodes:  # a multi-node engine's nodes, as its ranks last said (`status`)
             engine.nodes = (outcome.job.target.version, outcome.nodes)
-        if outcome.not_staged is not None:
+        if outcome.not_staged is not None:  # nothing was sent: asked again after the backoff
             self.staging.lost()
+            if outcome.job.restore:  # weights of unknown mix: never left paused meanwhile
+                engine.restore, engine.served.resume_owed = outcome.job.loading, True
         follower = engine is not self.canary
         if follower or decision.refused:  # refused for memory: no verdict, the same one again later
             decision = engine.as_follower(decision)

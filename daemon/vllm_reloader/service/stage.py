@@ -27,6 +27,7 @@ from pathlib import Path
 from .. import log
 from ..checkpoint import completeness, gate, order
 from ..checkpoint.completeness import DirectoryListing
+from ..checkpoint.files import Identity
 from ..checkpoint.staged import read_staged, staged_marker, staged_problem
 from ..config import Config
 from ..errors import SourceError, StateError
@@ -63,6 +64,8 @@ class Copy:
 
     directory: str
     candidate: order.Candidate
+    files: Mapping[str, Identity]
+    """Each file as this daemon verified it: the marker must still say the same."""
 
 
 def stage_holds(staged: Iterable[Copy], leader: Mapping[str, str] | None, keep: int) -> set[str]:
@@ -173,7 +176,6 @@ class Stage:
 
     def run(self) -> int:
         self.gater.start()
-        self._rescan()
         self.remote.start()
         self.verdicts.start()
         self.log.info(
@@ -181,8 +183,9 @@ class Stage:
             root=str(self.config.checkpoint_root), leader=self.config.node.leader,
             node=self.config.rollout.host,
         )  # fmt: skip
-        self.notifier.ready(self._status())
         try:
+            self._rescan()
+            self.notifier.ready(self._status())
             while not self.stop.is_set():
                 if (dead := self._dead()) is not None:
                     self.log.error(
@@ -225,6 +228,9 @@ class Stage:
                 self._gated(gating.candidate, gating.directory, verdict)
             case LeaderSaid(found):
                 self.leader = found
+                for copy in self.snapshot:  # never downloaded again, once collected
+                    if (found or {}).get(copy.candidate.fingerprint) == "failed":
+                        self._remember_rejected(copy.directory, copy.candidate.fingerprint)
             case SignalReceived(signum) if signum != signal.SIGHUP:
                 self.notifier.stopping()
                 self.stop.set()
@@ -247,8 +253,9 @@ class Stage:
                 self._gate(directory)
                 continue
             _, problem = staged_problem(copy, marked.fingerprint)
-            if problem is None:
-                self._add(directory, self._candidate(directory))
+            candidate = self._candidate(directory)
+            if problem is None and candidate.fingerprint == marked.fingerprint:
+                self._add(directory, candidate, marked.files)
             else:
                 self._gate(directory)
 
@@ -292,7 +299,7 @@ class Stage:
             why = f"cannot mark it as verified in {where}: {exc.strerror or exc}"
             self.log.error("node.stage_failed", name=directory.name, reason=why)
             return
-        self._add(directory.name, candidate)
+        self._add(directory.name, candidate, verdict.files)
         self.log.info(
             "node.staged", name=directory.name, fingerprint=verdict.fingerprint, bytes=verdict.bytes,
             node=self.config.rollout.host,
@@ -303,7 +310,11 @@ class Stage:
         staged: its marker goes at once, and it is gated again (bytes that fail their digests
         are dropped and downloaded again)."""
         for directory, copy in list(self.staged.items()):
-            _, problem = staged_problem(self.config.checkpoint_root / directory, copy.candidate.fingerprint)
+            marked, problem = staged_problem(
+                self.config.checkpoint_root / directory, copy.candidate.fingerprint
+            )
+            if problem is None and marked is not None and marked.files != dict(copy.files):
+                problem = f"{staged_marker(self.config.checkpoint_root / directory)} was rewritten"
             if problem is not None:
                 self._unstage(directory, problem, "gated again")
                 self._gate(directory)
@@ -320,20 +331,25 @@ class Stage:
             self.dropped.add(directory)
         self.log.warning("node.unstaged", name=directory, reason=reason, action=action)
 
-    def _add(self, directory: str, candidate: order.Candidate) -> None:
-        self.staged[directory] = Copy(directory, candidate)
+    def _add(self, directory: str, candidate: order.Candidate, files: Mapping[str, Identity]) -> None:
+        self.staged[directory] = Copy(directory, candidate, dict(files))
         self.snapshot = tuple(self.staged.values())
         self.verdicts.poke()
 
     def _reject(self, name: str, version: str, reason: str, fingerprint: str, check: str) -> None:
+        self._remember_rejected(name, fingerprint)
+        self.log.warning("checkpoint.rejected", name=name, version=version, reason=reason, check=check)
+
+    def _remember_rejected(self, name: str, fingerprint: str) -> None:
         base = order.base_name(name)
+        if fingerprint in self.rejected.get(base, ()):
+            return
         fps = self.rejected.get(base, frozenset()) | {fingerprint}
         self.rejected[base] = fps
         try:
             self.records.put(REJECTED, base, sorted(fps))
         except StateError as exc:  # kept in memory; written again with the next rejection of the name
             self.log.warning("state.write_failed", reason=str(exc))
-        self.log.warning("checkpoint.rejected", name=name, version=version, reason=reason, check=check)
 
     def _collect(self) -> None:
         """Hold what the engine may still need (and every copy not judged yet); collect the rest."""

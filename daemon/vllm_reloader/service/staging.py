@@ -14,6 +14,7 @@ from typing import Any
 
 from ..engine import nodes
 from ..engine.client import EngineClient
+from ..engine.swap import Target
 from .engine import Engine
 from .gating import Ready
 from .jobs import Ask, states_of
@@ -41,13 +42,13 @@ class Staging:
             and (self.cleared != loading.fingerprint)
         )
 
-    def ask(self, engine: Engine, ready: Ready) -> Work:
-        loading, node = ready.loading, self.node
-        assert node is not None and loading.files is not None
-        fingerprint, files = loading.fingerprint, dict(loading.files)
+    def ask(self, engine: Engine, ready: Ready, fallback: Target | None) -> Work:
+        node, loading = self.node, ready.loading
+        assert node is not None
+        target = Target(loading.version, loading.path, loading.files, loading.fingerprint)
 
         def ask(client: EngineClient) -> tuple[nodes.NodeState, ...]:
-            return states_of(client, loading.path, fingerprint, files, node)
+            return states_of(client, node, target, fallback)
 
         return Work("nodes", Ask(engine.client, ask), lambda found: self.answered(engine, ready, found))
 

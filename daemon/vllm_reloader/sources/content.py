@@ -16,6 +16,7 @@ A lease of `ALL` on a kind keeps every entry of it (an engine whose adapters are
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -130,10 +131,8 @@ def mark_staged(copy: Path, node: str, fingerprint: str, files: Mapping[str, Ide
 def _remove(path: Path) -> bool:
     """Renamed to a dot-name first (no watcher or gate ever sees one half-deleted), then
     deleted, its staged marker first (none ever vouches for a copy half gone); whether it is gone."""
-    try:
+    with contextlib.suppress(OSError):  # one left vouches for nothing: a gone copy is "no copy" to a rank
         staged_marker(path).unlink(missing_ok=True)
-    except OSError:
-        return False
     if not os.path.lexists(path):
         return True
     doomed = path.with_name(f".deleting-{secrets.token_hex(8)}")  # short: a name may be 255 bytes
