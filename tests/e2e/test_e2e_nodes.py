@@ -69,6 +69,15 @@ class Run:
         assert len(found) == 1, found
         return found[0]
 
+    def only_copy_on_node_1(self, name: str, timeout: float = 60.0) -> None:
+        """Node 1 has let go of everything but `name` (the leader passed it: nothing older is kept)."""
+        deadline = time.monotonic() + timeout
+        while [p.name for p in (self.nodes.nodes[1].disk / "checkpoints").glob("step-*")] != [
+            self.copy_on(1, name).name
+        ]:
+            assert time.monotonic() < deadline, list((self.nodes.nodes[1].disk / "checkpoints").iterdir())
+            time.sleep(0.1)
+
     def serving(self) -> str:
         return self.nodes.engine.weight_version()
 
@@ -173,6 +182,7 @@ def test_e2e_two_node_engine_reloads_on_every_rank_only_what_every_node_verified
 
             # Node 1's disk full: its download fails; once space is freed, the version loads.
             serving = run.serving()
+            run.only_copy_on_node_1(serving)  # what it lets go frees no space after the fill
             filler = small_disk.fill(nodes.nodes[1].disk, leave=small_disk.PAGE)
             full = run.publish(a)
             run.stage.wait_for("download.failed", name=full, timeout=120)
