@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -103,8 +104,15 @@ class Nodes:
         assert len(found) == 1, found
         return found[0]
 
-    def wait_for(self, event: str, /, timeout: float = 15.0, **fields: object) -> dict:
-        return wait_for_event(self.logs, event, timeout, **fields)
+    def wait_for(self, event: str, /, timeout: float = 15.0, reason_has: str = "", **fields: object) -> dict:
+        """The newest such event (with `reason_has` in its reason: one said earlier does not count)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = wait_for_event(self.logs, event, max(0.0, deadline - time.monotonic()), **fields)
+            if reason_has in str(found.get("reason", "")):
+                return found
+            assert time.monotonic() < deadline, f"no {event} with {reason_has!r}: {found}"
+            time.sleep(0.02)
 
     def events(self, event: str, /, **fields: object) -> list[dict]:
         return events_in(self.logs, event, **fields)
@@ -142,7 +150,7 @@ def test_lead_reloads_once_every_node_holds_the_version_verified(nodes: Nodes):
     assert lead_marker["node"] == "lead" and stage_marker["node"] == NODE
     assert lead_marker["fingerprint"] == stage_marker["fingerprint"] == staged["fingerprint"]
     assert lead_marker["files"] != stage_marker["files"]  # each node's own files, as verified there
-    assert not nodes.events("node.not_staged")
+    assert not nodes.events("reload.failed") and not nodes.events("checkpoint.rejected")
 
 
 def test_lead_never_pauses_while_a_node_lacks_the_version_and_loads_once_its_stage_daemon_runs(nodes: Nodes):
@@ -230,15 +238,50 @@ def test_a_node_refusing_mid_load_blames_no_checkpoint_and_the_version_loads_onc
     nodes.stage()
     nodes.lead()
 
-    def touch_node_1(asked: int) -> None:
-        if asked == 2:  # the job's own question, just before the pause
-            shard = next(nodes.stage_copy("step-1").glob("*.safetensors"))
-            os.utime(shard, ns=(1, 1))
+    held = []
+
+    def touch_node_1(answers: list[dict[str, object]]) -> None:
+        if all(a["problem"] is None for a in answers):
+            held.append(answers)
+            if len(held) == 2:  # the job's own question, just before the pause
+                shard = next(nodes.stage_copy("step-1").glob("*.safetensors"))
+                os.utime(shard, ns=(1, 1))
 
     nodes.engine.on_staged_ask = touch_node_1
     nodes.publish("step-1", step=1)
     changed = nodes.wait_for("checkpoint.changed", version="step-1", timeout=20)
-    assert "changed since stage-1 verified it: model.safetensors changed" in changed["reason"]
+    # its rank saw the copy changed, or its daemon had already taken the marker back
+    assert any(why in changed["reason"] for why in ("changed since stage-1 verified it", "no daemon marked"))
     assert changed["when"] == "after_load" and "restored" in changed["reason"]
     nodes.wait_for("reload.succeeded", version="step-1", timeout=30)
     assert not nodes.events("checkpoint.rejected") and not nodes.events("verdict.recorded", verdict="failed")
+
+
+def test_weights_of_unknown_mix_a_node_cannot_restore_yet_are_not_left_paused_and_restored_once_it_can(
+    nodes: Nodes,
+):
+    """The lead died mid-reload (the engine paused on `reloading:`); node 1 has lost the good
+    version meanwhile: the engine is resumed (out of rotation, its weights unknown), and the
+    good version is loaded back once node 1 holds it again."""
+    stage = nodes.stage()
+    lead = nodes.lead()
+    nodes.publish("step-1", step=1)
+    good = nodes.wait_for("reload.succeeded", version="step-1")
+    nodes.stop(lead)
+    nodes.stop(stage)
+    nodes.engine.version, nodes.engine.paused = "reloading:step-2", True
+    shutil.rmtree(nodes.stage_copy("step-1"))
+    nodes.lead()
+    assert nodes.wait_for("engine.weights_unknown", timeout=20)["restoring"] == "step-1"
+    nodes.wait_for("node.not_staged", version="step-1", timeout=20, reason_has="no copy at")
+    deadline = time.monotonic() + 20
+    while nodes.engine.paused:
+        assert time.monotonic() < deadline, "left paused"
+        time.sleep(0.05)
+    assert nodes.engine.version == "reloading:step-2"  # not named as anything it is not
+    nodes.stage()
+    deadline = time.monotonic() + 30
+    while nodes.engine.version != "step-1" or nodes.engine.paused:  # named before its resume
+        assert time.monotonic() < deadline, nodes.engine.version
+        time.sleep(0.05)
+    assert nodes.engine.loaded == good["path"]

@@ -102,8 +102,8 @@ class FakeEngine:
         """`--nnodes`, as `/server_info`'s parallel_config says."""
         self.staged_asks: list[str] = []
         """The paths every rank was asked about (`reloader_staged`), in order."""
-        self.on_staged_ask: Callable[[int], None] | None = None
-        """Runs after each `reloader_staged`, with how many were asked (a hand at a node's copy)."""
+        self.on_staged_ask: Callable[[list[dict[str, object]]], None] | None = None
+        """Runs after each `reloader_staged`, with the ranks' answers (a hand at a node's copy)."""
         self.staged_loads: list[tuple[str, str]] = []
         """(path, fingerprint) of each load that read each node's own verified copy."""
 
@@ -192,7 +192,7 @@ class FakeEngine:
                 self.staged_asks.append(body["kwargs"]["path"])
                 answers = self._staged(**body["kwargs"])
                 if self.on_staged_ask is not None:
-                    self.on_staged_ask(len(self.staged_asks))
+                    self.on_staged_ask(answers)
                 return httpx.Response(200, json={"results": answers})
             if body["method"] == EXTENSION_METHOD:
                 if not self.extension:  # what vLLM answers for a method no worker has
