@@ -65,11 +65,14 @@ class Job:
 
     @property
     def fallback(self) -> Target | None:
-        back = self.rollback
-        if back is None:
-            return None
-        staged = back.fingerprint if self.node and back.fingerprint and back.files is not None else None
-        return Target(back.version, back.path, back.files, staged)
+        return None if self.rollback is None else target_of(self.rollback, self.node)
+
+
+def target_of(loaded: Loaded, node: str | None) -> Target:
+    """What a reload of `loaded` reads; with a leading daemon's `node`, each node's own verified
+    copy of its content (one never gated here, as the startup model, is read as it is)."""
+    staged = loaded.fingerprint if node and loaded.fingerprint and loaded.files is not None else None
+    return Target(loaded.version, loaded.path, loaded.files, staged)
 
 
 @dataclass(frozen=True)

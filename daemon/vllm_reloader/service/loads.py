@@ -21,7 +21,6 @@ from ..checkpoint import gate, order
 from ..config import Config
 from ..engine import probe
 from ..engine.client import RELOADING_PREFIX
-from ..engine.swap import Target
 from ..errors import ReloadFailed
 from ..sources.verdicts import Verdict
 from . import fleet, outcomes, rollback, rollout, setup
@@ -30,7 +29,7 @@ from .catalog import Catalog, detection_lag_ms
 from .engine import Engine
 from .engines import Engines
 from .gating import Ready
-from .jobs import Job, Outcome
+from .jobs import Job, Outcome, target_of
 from .metrics import Metrics
 from .reverify import Reverified
 from .scheduler import Slot, Work
@@ -57,7 +56,7 @@ class Loads:
         self.metrics, self.log = metrics, log
         self.ready: Ready | None = None
         """A verdict of `ready` on the newest version, waiting for the canary engine."""
-        self.staging = Staging(config.rollout.host if config.node.role == "lead" else None, log)
+        self.staging = Staging(config.rollout.host if config.node.role == "lead" else None)
         self.recalls = fleet.Recalls(log)
         self.targets = rollback.Targets(post, metrics, log)
         unclean = book.records.all(UNCLEAN)
@@ -106,8 +105,7 @@ class Loads:
             return None
         if self.staging.owed(self.ready):  # a multi-node engine: every node holds it (and its way back)
             back = self.rollback_target(canary, skip=self.ready.candidate.name)
-            staged = back.fingerprint if back and back.fingerprint and back.files is not None else None
-            fallback = Target(back.version, back.path, back.files, staged) if back else None
+            fallback = None if back is None else target_of(back, self.staging.node)
             return self.staging.ask(canary, self.ready, fallback)
         ready, self.ready = self.ready, None
         return self._work(canary, ready.candidate, ready.loading, ready.size, scanned=ready.host_scanned)
@@ -141,9 +139,8 @@ class Loads:
             **({} if lag_ms is None else {"detect_ms": lag_ms}),
             strategy=strategy, loader="extension" if served.extension else "builtin",
         )  # fmt: skip
-        node = config.rollout.host if config.node.role == "lead" else None
-        staged = loading.fingerprint if node and loading.fingerprint and loading.files is not None else None
-        target = Target(loading.version, loading.path, loading.files, staged)
+        node = self.staging.node
+        target = target_of(loading, node)
         owed, both = not scanned and config.gate.check_finite, config.gate.scan == "both"
         host_scan = None
         if owed and not engine.can_scan(config):

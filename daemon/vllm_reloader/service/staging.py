@@ -10,21 +10,19 @@ its copy in between.
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..engine import nodes
 from ..engine.client import EngineClient
 from ..engine.swap import Target
 from .engine import Engine
 from .gating import Ready
-from .jobs import Ask, states_of
+from .jobs import Ask, states_of, target_of
 from .outcomes import NOT_STAGED_FIX
 from .scheduler import Work
 
 
 class Staging:
-    def __init__(self, node: str | None, log: Any) -> None:
-        self.node, self.log = node, log
+    def __init__(self, node: str | None) -> None:
+        self.node = node
         """This node's name in the markers (`[rollout] host`); None: an engine on one node."""
         self.cleared: str | None = None
         """The content every node last said it holds (asked again before each pause)."""
@@ -43,9 +41,9 @@ class Staging:
         )
 
     def ask(self, engine: Engine, ready: Ready, fallback: Target | None) -> Work:
-        node, loading = self.node, ready.loading
+        node = self.node
         assert node is not None
-        target = Target(loading.version, loading.path, loading.files, loading.fingerprint)
+        target = target_of(ready.loading, node)
 
         def ask(client: EngineClient) -> tuple[nodes.NodeState, ...]:
             return states_of(client, node, target, fallback)
