@@ -159,18 +159,9 @@ class Stage:
         return order.Serving(newest.candidate.key, newest.directory, newest.candidate.fingerprint)
 
     def _rejected(self) -> Mapping[str, frozenset[str]]:
-        """Rejected here, and failed by the leader: never downloaded (again)."""
-        failed = {
-            c.candidate.fingerprint
-            for c in self.snapshot
-            if (self.leader or {}).get(c.candidate.fingerprint) == "failed"
-        }
-        by_leader: dict[str, set[str]] = {}
-        for copy in self.snapshot:
-            if copy.candidate.fingerprint in failed:
-                by_leader.setdefault(order.base_name(copy.directory), set()).add(copy.candidate.fingerprint)
-        names = {*self.rejected, *by_leader}
-        return {n: frozenset({*self.rejected.get(n, ()), *by_leader.get(n, ())}) for n in names}
+        """Rejected here, and failed by the leader (`LeaderSaid`): never downloaded (again).
+        Read by the object-store thread: the mapping is replaced whole, never changed."""
+        return self.rejected
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -345,7 +336,7 @@ class Stage:
         if fingerprint in self.rejected.get(base, ()):
             return
         fps = self.rejected.get(base, frozenset()) | {fingerprint}
-        self.rejected[base] = fps
+        self.rejected = {**self.rejected, base: fps}
         try:
             self.records.put(REJECTED, base, sorted(fps))
         except StateError as exc:  # kept in memory; written again with the next rejection of the name
