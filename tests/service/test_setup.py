@@ -142,7 +142,7 @@ def test_after_an_engine_restart_onto_unreadable_files_the_old_baseline_holds(
 ):
     engine = FakeEngine(startup=str(make_checkpoint("step-1", step=1, root=root)))
     running = start(engine, engine_check_interval=0.05)
-    running.wait_for("engine.reconciled")
+    running.wait_for("engine.warmed")  # named step-1 first: a naming after the restart would hide it
     engine.startup, engine.version = str(tmp_path / "gone"), "default"  # restarted on files we cannot read
     running.wait_for("gate.no_baseline")
     make_checkpoint("wrong", step=2, root=root, shapes=BIGGER)
