@@ -52,7 +52,9 @@ def test_config_is_frozen():
         (MINIMAL.replace('url = "http', 'pause_mode = "drop"\nurl = "http'), "engine.pause_mode"),
         (MINIMAL + '[gate]\nscan = "gpu"\n', "gate.scan"),
         (MINIMAL + '[gate]\nscan = "engine"\n[canary]\nprobe = false\n', "set canary.probe = true"),
-        (MINIMAL + '[node]\nrole = "lead"\n', "node.role = lead needs an object-store source.path"),
+        (MINIMAL + '[node]\nrole = "lead"\n', "node.role = lead needs source.path in a store"),
+        (MINIMAL.replace('"/srv/checkpoints"', '"file://srv/checkpoints"'), "file:// needs an absolute path"),
+        (MINIMAL.replace('"/srv/checkpoints"', '"file:///"'), "file:// needs an absolute path below /"),
         (STORE + '[node]\nrole = "stage"\n', "node.role = stage needs node.leader"),
         (STORE + '[node]\nrole = "lead"\n[rollout]\nrole = "follow"\n', "rollout.role = canary"),
         (STORE + '[node]\nrole = "stage"\nleader = "../x"\n', "node.leader"),
@@ -65,6 +67,13 @@ def test_config_error_names_the_key_on_one_line(text, message):
         config.parse(text, "x.toml")
     assert message in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_config_shared_root_is_a_store_every_node_copies_from():
+    shared = MINIMAL.replace('"/srv/checkpoints"', '"file:///mnt/shared/checkpoints"')
+    cfg = config.parse(shared + '[rollout]\nhost = "n1"\n[node]\nrole = "stage"\nleader = "n0"\n')
+    assert cfg.source.remote and cfg.node.role == "stage"
+    assert config.parse(shared).source.interval == 10.0
 
 
 def test_config_missing_file_is_a_config_error(tmp_path):

@@ -67,7 +67,12 @@ def _parser() -> argparse.ArgumentParser:
 
     publish = commands.add_parser("publish", help="place a checkpoint into a root atomically")
     publish.add_argument("src", type=Path, metavar="SRC")
-    publish.add_argument("--into", required=True, metavar="ROOT", help="a local root, or s3:// gs:// az://")
+    publish.add_argument(
+        "--into",
+        required=True,
+        metavar="ROOT",
+        help="a local or shared root (path, file://), or s3:// gs:// az://",
+    )
     publish.add_argument("--endpoint-url", metavar="URL", help="object store endpoint (S3-compatible)")
     publish.add_argument("--version", dest="name", metavar="NAME")
     publish.add_argument("--step", type=int, metavar="N")
@@ -127,6 +132,8 @@ def _run(config_path: Path, priority_prefix: bool) -> int:
 def _publish(args: argparse.Namespace) -> int:
     from .config import REMOTE_SCHEMES
 
+    if args.into.startswith("file://"):  # a shared root is a directory here: publish into it as one
+        args.into = args.into.removeprefix("file://") or "/"
     if args.into.startswith(REMOTE_SCHEMES):
         from .tools.upload import publish_remote
 

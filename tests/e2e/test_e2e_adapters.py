@@ -28,7 +28,7 @@ from vllm_reloader.config import EngineConfig, RolloutConfig
 from vllm_reloader.engine.client import EngineClient
 from vllm_reloader.errors import EngineCallFailed
 from vllm_reloader.sources import verdicts
-from vllm_reloader.sources.objstore import Store
+from vllm_reloader.sources.filestore import open_store
 
 pytestmark = pytest.mark.engine
 MAX_RANK = 8
@@ -292,7 +292,7 @@ def test_e2e_follower_loads_an_adapter_only_once_a_canary_host_passed_it_and_goe
     )
     (tmp_path / "canary-host").mkdir()
     canary_host = verdicts.Fleet(
-        Store(f"{bucket.url}/adapters"),
+        open_store(f"{bucket.url}/adapters"),
         RolloutConfig(host="canary-1"),
         structlog.get_logger(),
         open_records(tmp_path / "canary-host"),

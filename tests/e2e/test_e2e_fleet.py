@@ -15,9 +15,9 @@ import pytest
 from tests.support.e2e_world import World, _steps
 from tests.support.engine_fixtures import DaemonProcess, exploding
 from tests.support.fake_engine import FakeEngine, FakeEngineServer
-from tests.support.store_fixtures import WRITABLE, Bucket
+from tests.support.store_fixtures import OBJECT_STORES, Bucket
 
-pytestmark = [pytest.mark.engine, pytest.mark.stores(*WRITABLE)]
+pytestmark = [pytest.mark.engine, pytest.mark.stores(*OBJECT_STORES)]
 
 
 def fleet_config(path: Path, bucket: Bucket, engine_url: str, state: Path, rollout: str) -> Path:

@@ -1,8 +1,9 @@
 """One real CPU vLLM engine over two nodes (`--nnodes 2`, node 1 headless), each node in its
 own mount namespace so the one cache path is a different disk on each (`two_nodes`), a daemon
 per node in its namespace: the leading one beside node 0's server, a stage daemon beside node
-1. Versions come from moto's S3. Every reload reads, on each node, the copy that node's daemon
-verified; a node short of it holds the reload back without a pause, in one line naming it."""
+1. Versions come from moto's S3, or from a shared root both see. Every reload reads, on each
+node, the copy that node's daemon verified; a node short of it holds the reload back without a
+pause, in one line naming it."""
 
 from __future__ import annotations
 
@@ -24,13 +25,11 @@ from vllm_reloader.checkpoint.staged import staged_marker
 pytestmark = [pytest.mark.engine, pytest.mark.stores("s3")]
 
 
-def node_config(
-    path: Path, bucket: Bucket, cache: Path, state: Path, node: str, engine_url: str = ""
-) -> Path:
+def node_config(path: Path, source: str, cache: Path, state: Path, node: str, engine_url: str = "") -> Path:
     state.mkdir(parents=True, exist_ok=True)  # the daemon never makes it
     engine = f'[engine]\nurl = "{engine_url}"\nretry_initial = 0.2\nretry_max = 2.0\n' if engine_url else ""
     path.write_text(
-        f'[source]\npath = "{bucket.url}"\npoll_interval = 0.2\n{engine}'
+        f'[source]\npath = "{source}"\npoll_interval = 0.2\n{engine}'
         f'[state]\ndir = "{state}"\ncache_dir = "{cache}"\nmin_free_bytes = 0\nkeep = 0\n'
         f'[canary]\nprobe = false\n[log]\nformat = "json"\n{node}\n'
     )
@@ -38,15 +37,16 @@ def node_config(
 
 
 class Run:
-    def __init__(self, nodes: TwoNodes, bucket: Bucket, tmp_path: Path) -> None:
-        self.nodes, self.bucket = nodes, bucket
+    def __init__(self, nodes: TwoNodes, source: str, tmp_path: Path) -> None:
+        """`source`: an S3 prefix, or a shared root (`file://`) both nodes see."""
+        self.nodes, self.source = nodes, source
         lead = '[rollout]\nhost = "node-0"\n[node]\nrole = "lead"'
         stage = '[rollout]\nhost = "node-1"\n[node]\nrole = "stage"\nleader = "node-0"'
         lead_config = node_config(
-            tmp_path / "lead.toml", bucket, nodes.cache, tmp_path / "lead", lead, nodes.engine.url
+            tmp_path / "lead.toml", source, nodes.cache, tmp_path / "lead", lead, nodes.engine.url
         )
         self.stage_config = node_config(
-            tmp_path / "stage.toml", bucket, nodes.cache, tmp_path / "stage", stage
+            tmp_path / "stage.toml", source, nodes.cache, tmp_path / "stage", stage
         )
         self.lead = DaemonProcess(lead_config, prefix=nodes.nodes[0].enter)
         self.stage = self.start_stage()
@@ -56,11 +56,15 @@ class Run:
         return DaemonProcess(self.stage_config, prefix=self.nodes.nodes[1].enter)
 
     def publish(self, weights: Path) -> str:
+        from vllm_reloader.tools.publish import publish
         from vllm_reloader.tools.upload import publish_remote
 
         self.step += 1
         name = f"step-{self.step}"
-        publish_remote(weights, self.bucket.url, name=name, step=self.step)
+        if self.source.startswith("file://"):  # as a trainer on another host would
+            publish(weights, Path(self.source.removeprefix("file://")), name=name, step=self.step)
+        else:
+            publish_remote(weights, self.source, name=name, step=self.step)
         return name
 
     def copy_on(self, node: int, name: str) -> Path:
@@ -147,7 +151,7 @@ def test_e2e_two_node_engine_reloads_on_every_rank_only_what_every_node_verified
     with two_node_engine(a, tmp_path / "nodes", node_1_disk=64 << 20) as nodes:
         engine = nodes.engine
         fresh_a = engine.complete()  # a freshly started two-node engine on A
-        run = Run(nodes, bucket, tmp_path)
+        run = Run(nodes, bucket.url, tmp_path)
         try:
             run.lead.wait_for("engine.reconciled", timeout=120)
             first = run.publish(b)
@@ -202,4 +206,42 @@ def test_e2e_two_node_engine_reloads_on_every_rank_only_what_every_node_verified
         finally:
             for daemon in (run.lead, run.stage):
                 daemon.process.send_signal(signal.SIGCONT)
+                daemon.stop()
+
+
+def test_e2e_two_node_engine_copies_from_a_shared_root_what_a_writer_cannot_change_under_it(tmp_path: Path):
+    """Versions published into a shared root (one directory both nodes see, as NFS): each node
+    copies its own; a writer rewriting a served version's shard in the share changes nothing
+    any rank reads."""
+    from vllm_reloader.tools.tinymodel import write_checkpoint
+
+    a, b = write_checkpoint(tmp_path / "a", seed=1), write_checkpoint(tmp_path / "b", seed=2)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    with two_node_engine(a, tmp_path / "nodes", node_1_disk=64 << 20) as nodes:
+        engine = nodes.engine
+        fresh_a = engine.complete()
+        run = Run(nodes, f"file://{shared}", tmp_path)
+        try:
+            run.lead.wait_for("engine.reconciled", timeout=120)
+            first = run.publish(b)
+            run.lead.wait_for("reload.succeeded", version=first, timeout=180)
+            assert engine.complete() != fresh_a
+            back = run.publish(a)
+            run.lead.wait_for("reload.succeeded", version=back, timeout=180)
+            assert engine.complete() == fresh_a, "every rank on both nodes holds A again, exactly"
+            for node in (0, 1):
+                assert staged_marker(run.copy_on(node, back)).exists()
+
+            # A careless writer rewrites the served version's shard in the share.
+            copies = {n: {p.name: p.read_bytes() for p in run.copy_on(n, back).iterdir()} for n in (0, 1)}
+            _flip_a_byte(shared / back)
+            time.sleep(3)  # some 15 polls of each daemon
+            assert engine.complete() == fresh_a and run.serving() == back
+            for node in (0, 1):
+                assert {p.name: p.read_bytes() for p in run.copy_on(node, back).iterdir()} == copies[node]
+            assert len(run.lead.events("reload.started", version=back)) == 1
+            assert not run.lead.events("reload.failed")
+        finally:
+            for daemon in (run.lead, run.stage):
                 daemon.stop()

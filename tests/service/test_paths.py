@@ -197,3 +197,21 @@ def test_config_adapters_endpoint_url_empty_takes_the_stores_own_variables(tmp_p
         update={"source": config.SourceConfig(path="s3://bucket/runs", endpoint_url="http://minio.test:9000")}
     )
     assert with_adapters(cfg, root="s3://b/a", endpoint_url="").adapter_endpoint is None
+
+
+def shared(tmp_path: Path, **state: object) -> config.Config:
+    cfg = local(tmp_path, **state)
+    return cfg.model_copy(update={"source": config.SourceConfig(path=f"file://{tmp_path / 'root'}")})
+
+
+def test_paths_a_shared_root_must_be_there_and_apart_from_the_cache(tmp_path):
+    paths.check(shared(tmp_path))
+    assert (tmp_path / "state" / "cache" / "checkpoints").is_dir(), "copied into the cache"
+    (tmp_path / "root" / "cache").mkdir()
+    cfg = shared(tmp_path, cache_dir=tmp_path / "root" / "cache")
+    assert refused(cfg).startswith(f"state.cache_dir {tmp_path / 'root' / 'cache'}: overlaps source.path")
+    gone = shared(tmp_path).model_copy(update={"source": config.SourceConfig(path=f"file://{tmp_path}/x")})
+    assert refused(gone) == (
+        f"source.path {tmp_path / 'x'}: no such directory; create it (the daemon never does), "
+        "or correct source.path"
+    )

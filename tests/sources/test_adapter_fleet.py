@@ -19,6 +19,7 @@ from vllm_reloader.errors import SourceError
 from vllm_reloader.sources.adapter_fleet import AdapterFleet, AdapterRecalled
 from vllm_reloader.sources.adapter_trees import StoreTree
 from vllm_reloader.sources.adapters import AdaptersListed, AdapterSource, Found
+from vllm_reloader.sources.filestore import open_store
 from vllm_reloader.sources.objstore import Store
 from vllm_reloader.sources.verdicts import Verdict
 
@@ -33,7 +34,7 @@ class Host:
 
     def __init__(self, bucket: Bucket, tmp_path: Path, name: str, role: str) -> None:
         (tmp_path / name).mkdir()
-        store = Store(bucket.url)
+        store = open_store(bucket.url)
         self.fleet = AdapterFleet(
             store,
             RolloutConfig(role=role, host=name),

@@ -17,6 +17,7 @@ from tests.support.store_fixtures import STORES, Bucket
 from vllm_reloader.checkpoint.adapter import CONFIG_NAME, WEIGHTS_NAME, Served
 from vllm_reloader.sources.adapter_trees import LocalTree, StoreTree
 from vllm_reloader.sources.adapters import AdapterGated, AdaptersListed, AdapterSource
+from vllm_reloader.sources.filestore import open_store
 from vllm_reloader.sources.objstore import Store
 
 from .test_adapters import SERVED, gated
@@ -35,7 +36,7 @@ def store_source(
     bucket: Bucket, tmp_path: Path, found: list[AdapterGated | AdaptersListed], served: Served = SERVED
 ) -> AdapterSource:
     return AdapterSource(
-        StoreTree(Store(bucket.url)), tmp_path / "copies", 0.05,
+        StoreTree(open_store(bucket.url)), tmp_path / "copies", 0.05,
         served=lambda: served, post=found.append, records=open_records(tmp_path / "state"),
     )  # fmt: skip
 
@@ -99,7 +100,7 @@ def test_adapter_source_refuses_an_object_too_big_for_any_adapter_before_reading
 
 @pytest.mark.stores("s3")
 def test_store_tree_copies_nothing_of_an_object_replaced_since_it_was_listed(bucket, tmp_path):
-    tree = StoreTree(Store(bucket.url))
+    tree = StoreTree(open_store(bucket.url))
     upload(bucket, write_adapter(tmp_path / "one", seed=1), "support/step-1")
     content = tree.list(print)["support"]["step-1"]
     assert content is not None

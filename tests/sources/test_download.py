@@ -22,6 +22,7 @@ from vllm_reloader.checkpoint.manifest import parse
 from vllm_reloader.errors import DownloadError, ObjectChanged
 from vllm_reloader.sources import download
 from vllm_reloader.sources.download import JOURNAL_NAME, Part, Plan, fetch
+from vllm_reloader.sources.filestore import open_store
 from vllm_reloader.sources.objstore import Store
 
 pytestmark = pytest.mark.stores(*STORES)
@@ -38,7 +39,7 @@ def uploaded(make_checkpoint: MakeCheckpoint, tmp_path: Path, bucket: Bucket) ->
     shapes = {"model.embed_tokens.weight": (64, 64), "lm_head.weight": (64, 64)}  # 16 KiB tensors
     checkpoint = make_checkpoint("step-9", step=9, root=tmp_path / "src", shapes=shapes, shards=2)
     bucket.upload_dir(checkpoint, "step-9")
-    return checkpoint, Store(bucket.url)
+    return checkpoint, open_store(bucket.url)
 
 
 def run_fetch(store: Store, tmp_path: Path, get_part=None, plan: Plan = PLAN):

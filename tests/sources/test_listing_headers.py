@@ -12,8 +12,8 @@ import pytest
 from tests.support.store_fixtures import STORES, Bucket
 from vllm_reloader.checkpoint.files import MAX_HEADER_BYTES, TooManyTensors
 from vllm_reloader.errors import LayoutUnreadable
+from vllm_reloader.sources.filestore import open_store
 from vllm_reloader.sources.listing import HeaderSizes
-from vllm_reloader.sources.objstore import Store
 
 pytestmark = pytest.mark.stores(*STORES)
 
@@ -23,15 +23,15 @@ def test_remote_header_longer_than_any_safetensors_header_is_refused_from_its_pr
 ):
     body = json.dumps({"t": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}}).encode()
     bucket.put("run/model.safetensors", struct.pack("<Q", MAX_HEADER_BYTES + 1) + body)
-    store = Store(bucket.url)
+    store = open_store(bucket.url)
     ranges: list[tuple[int, int]] = []
-    real = Store.get_range
+    real = store.get_range
 
-    def spy(self: Store, key: str, start: int, end: int, etag: str | None) -> memoryview:
+    def spy(key: str, start: int, end: int, etag: str | None) -> memoryview:
         ranges.append((start, end))
-        return real(self, key, start, end, etag)
+        return real(key, start, end, etag)
 
-    monkeypatch.setattr(Store, "get_range", spy)
+    monkeypatch.setattr(store, "get_range", spy)
     objects = {k.removeprefix("run/"): o for k, o in store.list_under("run").items()}
     listing = HeaderSizes(store).listing("run", objects, {})
     with pytest.raises(LayoutUnreadable, match=r"model\.safetensors: safetensors header too large"):
@@ -45,7 +45,7 @@ def test_remote_header_listing_more_tensors_than_the_gate_allows_is_refused(buck
     tensors = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(50)}
     body = json.dumps(tensors).encode()
     bucket.put("run/model.safetensors", struct.pack("<Q", len(body)) + body)
-    store = Store(bucket.url)
+    store = open_store(bucket.url)
     objects = {k.removeprefix("run/"): o for k, o in store.list_under("run").items()}
     assert HeaderSizes(store, max_tensors=50).listing("run", objects, {}).shard_size(
         "model.safetensors"

@@ -11,6 +11,7 @@ import pytest
 from tests.support.ports import unused_port
 from tests.support.store_fixtures import AZURITE_ACCOUNT, AZURITE_KEY, STORES, WRITABLE, Bucket
 from vllm_reloader.errors import ConfigError, SourceError
+from vllm_reloader.sources.filestore import open_store
 from vllm_reloader.sources.objstore import CLIENT_KEYS, Store, client_options
 
 
@@ -28,7 +29,7 @@ def failure(store: Store, times: int = 2) -> SourceError:
 @pytest.mark.stores(*STORES)
 def test_objstore_lists_heads_and_reads_ranges_on_every_store(bucket: Bucket):
     bucket.put("v1/a.bin", b"0123456789")
-    store = Store(bucket.url)
+    store = open_store(bucket.url)
     listing, _ = store.list()
     assert list(listing) == ["v1/a.bin"] and listing["v1/a.bin"].size == 10
     head = store.head("v1/a.bin")
@@ -40,7 +41,7 @@ def test_objstore_lists_heads_and_reads_ranges_on_every_store(bucket: Bucket):
 
 @pytest.mark.stores(*WRITABLE)
 def test_objstore_create_never_overwrites_and_delete_is_idempotent_on_every_writable_store(bucket: Bucket):
-    store = Store(bucket.url)
+    store = open_store(bucket.url)
     assert store.create("v/r.json", b"first") and not store.create("v/r.json", b"second")
     assert bucket.read("v/r.json") == b"first"
     store.delete(["v/r.json", "v/never-there.json"])
@@ -99,7 +100,7 @@ def test_objstore_gcs_service_account_with_an_http_base_url_works_with_google_al
 
 def test_objstore_proxy_set_for_the_store_is_used_and_named_without_its_password(bucket: Bucket, monkeypatch):
     bucket.put("v1/a.bin", b"x")
-    assert list(Store(bucket.url).list()[0]) == ["v1/a.bin"]
+    assert list(open_store(bucket.url).list()[0]) == ["v1/a.bin"]
     port = unused_port()
     monkeypatch.setenv("AWS_PROXY_URL", f"http://alice:s3cret@127.0.0.1:{port}")
     error = failure(Store(bucket.url, timeout=2))
@@ -210,7 +211,8 @@ def test_objstore_missing_bucket_is_not_found_in_the_stores_words(bucket: Bucket
         "s3": "NoSuchBucket (404 Not Found)",
         "azure": "ContainerNotFound (404 Not Found)",
         "gcs": "500 Internal Server Error",  # fake-gcs-server's; its message goes to status only
+        "file": "No such file or directory",
     }
-    error = failure(Store(url))
+    error = failure(open_store(url))
     assert str(error) == f"LIST {url}: {expected[store_kind]}"
     assert store_kind != "gcs" or "no bucket named no-such-bucket" in error.detail

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from tests.support.checkpoints import MakeCheckpoint, hf_index, write_manifest, 
 from tests.support.daemon_fixtures import wait_for_event
 from tests.support.fake_engine import FakeEngine, FakeEngineServer
 from tests.support.records import open_records, source_records
-from tests.support.store_fixtures import STORES, WRITABLE, Bucket, new_bucket
+from tests.support.store_fixtures import OBJECT_STORES, STORES, WRITABLE, Bucket, new_bucket
 from vllm_reloader import config
 from vllm_reloader.checkpoint import completeness, gate, order, verified
 from vllm_reloader.checkpoint.completeness import DirectoryListing, Listed
@@ -260,10 +261,30 @@ def test_remote_ignores_temporary_names_in_the_store(tmp_path, bucket: Bucket, c
     assert harness.posted == [] and harness.source.seen == {}
 
 
+@pytest.mark.stores(*OBJECT_STORES, "gcs")
 def test_remote_manifest_that_is_not_json_is_rejected_at_once(tmp_path, bucket: Bucket, checkpoint: Path):
     harness = Harness(tmp_path, bucket.url)
     bucket.upload_dir(checkpoint, "step-5", skip=("manifest.json",))
     bucket.put("step-5/manifest.json", b'{"format_version": 1, "fil')
+    harness.source.poll()
+    (rejection,) = harness.rejected()
+    assert rejection["check"] == "manifest" and "not valid JSON" in rejection["reason"]
+
+
+@pytest.mark.stores("file")
+def test_remote_manifest_on_a_shared_root_may_be_mid_write_for_its_grace(
+    tmp_path, bucket: Bucket, checkpoint: Path
+):
+    """A file on a shared root is listed as it is written: an unparsable manifest is pending for
+    `manifest_grace` after its last change, as in a local root, then rejected."""
+    harness = Harness(tmp_path, bucket.url)
+    bucket.upload_dir(checkpoint, "step-5", skip=("manifest.json",))
+    bucket.put("step-5/manifest.json", b'{"format_version": 1, "fil')
+    harness.source.poll()
+    assert harness.rejected() == [] and "step-5" in harness.source.pending
+    manifest = bucket.client / "runs" / "step-5" / "manifest.json"
+    os.utime(manifest, (time.time() - 11, time.time() - 11))  # its writer gave up 11 s ago
+    time.sleep(0.03)  # out of the racy window its ctime opened
     harness.source.poll()
     (rejection,) = harness.rejected()
     assert rejection["check"] == "manifest" and "not valid JSON" in rejection["reason"]
@@ -754,6 +775,7 @@ def test_remote_downloads_a_version_with_no_step_uploaded_after_the_stepped_one_
     assert harness.source.arrivals.of(bucket.url, "final") == (1, 1)
 
 
+@pytest.mark.stores(*OBJECT_STORES, "gcs")  # a shared root cannot hold the name either
 def test_remote_name_too_long_for_the_filesystem_is_rejected_once_and_older_ones_load(
     tmp_path, bucket: Bucket, make_checkpoint
 ):

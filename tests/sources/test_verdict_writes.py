@@ -8,6 +8,7 @@ import json
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,29 +22,33 @@ from vllm_reloader.errors import SourceError
 from vllm_reloader.records import RecordStore
 from vllm_reloader.sources import verdicts
 from vllm_reloader.sources.arrivals import Arrivals
+from vllm_reloader.sources.filestore import FileStore, open_store
 from vllm_reloader.sources.objstore import Store
 from vllm_reloader.sources.remote import RemoteSource
 
 pytestmark = pytest.mark.stores(*WRITABLE)
 
 FP = "1" * 64
+KINDS: tuple[type[Store] | type[FileStore], ...] = (Store, FileStore)
 
 
 class Refusing:
-    """`Store.create` answering as a read-only policy does, while `refuse` is set."""
+    """`create` answering as a read-only policy does, while `refuse` is set."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.refuse = threading.Event()
         self.refused = 0
-        real = Store.create
+        for kind in KINDS:
+            monkeypatch.setattr(kind, "create", self.refusing(kind.create))
 
-        def create(store: Store, key: str, data: object) -> bool:
+    def refusing(self, real: Callable[..., bool]) -> Callable[..., bool]:
+        def create(store: Store | FileStore, key: str, data: object) -> bool:
             if self.refuse.is_set():
                 self.refused += 1
                 raise SourceError(f"PUT {store.url}/{key}: AccessDenied")
-            return real(store, key, data)  # type: ignore[arg-type]
+            return real(store, key, data)
 
-        monkeypatch.setattr(Store, "create", create)
+        return create
 
 
 def source(
@@ -124,22 +129,26 @@ def test_verdict_write_refusals_keep_the_order_and_log_again_only_for_a_new_reas
     store = Refusing(monkeypatch)
     store.refuse.set()
     fleet = verdicts.Fleet(
-        Store(bucket.url), config.RolloutConfig(host="h"), structlog.get_logger(), open_records(tmp_path)
+        open_store(bucket.url), config.RolloutConfig(host="h"), structlog.get_logger(), open_records(tmp_path)
     )
     for name in ("step-1", "step-2"):
         fleet.add(verdicts.Verdict(name, name, FP, False, "canary: NaN"))
-    refusing = Store.create
+    refusing = {kind: kind.create for kind in KINDS}
     with structlog.testing.capture_logs() as logs:
         for _ in range(4):
             fleet.write_queued()
         assert [e["event"] for e in logs] == ["verdict.write_failed"]
         assert logs[0]["name"] == "step-1" and logs[0]["queued"] == 2
-        monkeypatch.setattr(Store, "create", lambda *_: (_ for _ in ()).throw(SourceError("PUT: timed out")))
+        for kind in KINDS:
+            monkeypatch.setattr(
+                kind, "create", lambda *_: (_ for _ in ()).throw(SourceError("PUT: timed out"))
+            )
         fleet.write_queued()
         fleet.write_queued()
     first = f"PUT {bucket.url}/{verdicts.key('step-1', FP, 'h', 'failed')}: AccessDenied"
     assert [e["reason"] for e in logs] == [first, "PUT: timed out"]
-    monkeypatch.setattr(Store, "create", refusing)
+    for kind in KINDS:
+        monkeypatch.setattr(kind, "create", refusing[kind])
     store.refuse.clear()
     with structlog.testing.capture_logs() as logs:
         fleet.write_queued()

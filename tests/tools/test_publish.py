@@ -4,14 +4,14 @@ import os
 import pytest
 
 from tests.support.checkpoints import write_weights
-from tests.support.store_fixtures import WRITABLE
+from tests.support.store_fixtures import OBJECT_STORES
 from vllm_reloader.checkpoint import gate
 from vllm_reloader.errors import PublishError
 from vllm_reloader.tools import publish as publish_module
 from vllm_reloader.tools import upload as upload_module
 from vllm_reloader.tools.publish import publish
 
-pytestmark = pytest.mark.stores(*WRITABLE)
+pytestmark = pytest.mark.stores(*OBJECT_STORES)
 
 
 @pytest.fixture

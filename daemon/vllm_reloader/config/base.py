@@ -1,6 +1,6 @@
 """What every config section shares: frozen sections that refuse unknown keys, and the two
 kinds of location a key can name (a path, resolved against the config file's directory; or
-a path or an object-store prefix)."""
+a path, an object-store prefix or a shared root read as one)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationInfo
 
-REMOTE_SCHEMES = ("s3://", "gs://", "az://")
+REMOTE_SCHEMES = ("s3://", "gs://", "az://", "file://")
+"""Copied into the cache before anything reads it: object stores, and a shared filesystem root
+(`file:///mnt/checkpoints`, NFS or the like), where writers on other hosts can change a file
+under a reader."""
 
 
 def anchored(value: object, info: ValidationInfo) -> object:
@@ -34,13 +37,18 @@ def _as_str(value: object, info: ValidationInfo) -> object:
 def _known_scheme(value: str) -> str:
     if "://" in value and not value.startswith(REMOTE_SCHEMES):
         raise ValueError(f"unsupported scheme; use a local path or one of {', '.join(REMOTE_SCHEMES)}")
+    if value.startswith("file://") and (not value.startswith("file:///") or value.rstrip("/") == "file:"):
+        raise ValueError("file:// needs an absolute path below / (file:///mnt/checkpoints)")
+    if value.startswith("file://") and "\0" in value:
+        raise ValueError("must not hold a NUL character")
     return value
 
 
 ConfigPath = Annotated[Path, BeforeValidator(anchored)]
 """A path-valued key: `Path`, resolved against the config file's directory when relative."""
 Location = Annotated[str, BeforeValidator(_as_str), AfterValidator(_known_scheme)]
-"""A local directory (resolved as `ConfigPath`) or an object-store prefix (`s3://`, `gs://`, `az://`)."""
+"""A local directory (resolved as `ConfigPath`), an object-store prefix (`s3://`, `gs://`, `az://`)
+or a shared root copied from like one (`file:///...`)."""
 
 
 def is_remote(location: str | None) -> bool:

@@ -30,13 +30,14 @@ API_KEY_ENV = "VLLM_API_KEY"
 
 class SourceConfig(Section):
     path: Annotated[Location, Field(min_length=1)]
-    """A local checkpoint root, or an object-store prefix (`s3://`, `gs://`, `az://`)."""
+    """A local checkpoint root, an object-store prefix (`s3://`, `gs://`, `az://`), or a shared
+    root (`file:///mnt/checkpoints`) copied into the cache like one."""
     endpoint_url: str | None = None
     """Object store endpoint (an S3-compatible store); overrides `AWS_ENDPOINT_URL`."""
     poll: bool = False
     """Poll instead of inotify. Turned on by itself for NFS/CIFS/FUSE mounts."""
     poll_interval: float | None = Field(None, gt=0)
-    """Default 2 s for a polled local root, 10 s for an object store (a LIST each time)."""
+    """Default 2 s for a polled local root, 10 s for a store (a LIST, or a walk of a shared root)."""
     rescan_interval: float = Field(30.0, gt=0)
     """Full rescan even with inotify: its queue can overflow."""
     pending_recheck_interval: float = Field(1.0, gt=0)
@@ -329,8 +330,8 @@ class Config(Section):
     def _nodes_need_a_store(self) -> Config:
         if self.node.role != "single" and not self.source.remote:
             raise ValueError(
-                f"node.role = {self.node.role} needs an object-store source.path (s3://, gs://, az://): "
-                "each node downloads its own copy to the same path"
+                f"node.role = {self.node.role} needs source.path in a store (s3://, gs://, az://, or "
+                "file:// for a shared root): each node copies its own to the same path"
             )
         if self.node.role == "stage" and self.node.leader is None:
             raise ValueError("node.role = stage needs node.leader: the leading daemon's [rollout] host")
@@ -355,8 +356,8 @@ class Config(Section):
     def _followers_need_a_store(self) -> Config:
         if self.rollout.role == "follow" and not self.source.remote:
             raise ValueError(
-                "rollout.role = follow needs an object-store source.path (s3://, gs://, az://): "
-                "the canary hosts' verdicts are read from it"
+                "rollout.role = follow needs source.path in a store (s3://, gs://, az://, or file:// for "
+                "a shared root): the canary hosts' verdicts are read from it"
             )
         return self
 

@@ -15,8 +15,10 @@ import stat
 from pathlib import Path
 
 from ..config import Config
+from ..config.base import is_remote
 from ..errors import ConfigError
 from ..sources.adapter_trees import Tree, tree
+from ..sources.filestore import SCHEME, root_of
 
 _EFFECTIVE = os.access in os.supports_effective_ids
 """Ask as the user the daemon runs as (its effective ids), as its writes will."""
@@ -28,15 +30,16 @@ def check(config: Config) -> None:
     directory(("state", "dir"), config.state.dir, write=True)
     if config.adapters.remote:
         adapter_tree(config)  # the store's URL and client options, checked here (no I/O)
-    elif config.adapters.root is not None:
-        directory(("adapters", "root"), Path(config.adapters.root), write=False)
+    if config.adapters.root is not None and (root := _local(config.adapters.root)) is not None:
+        directory(("adapters", "root"), root, write=False)
     apart(config)
     if config.adapters.root is not None and config.adapters.copies is not None:
         directory(("adapters", "copies"), config.adapters.copies, write=True)
     if config.control.socket is not None:
         directory(("control", "socket"), config.control.socket.parent, write=True, of=config.control.socket)
-    if not config.source.remote:  # a converter places its output there: then it writes
-        directory(("source", "path"), Path(config.source.path), write=bool(config.source.converter))
+    if (source := _local(config.source.path)) is not None:  # a converter places its output there
+        directory(("source", "path"), source, write=bool(config.source.converter))
+    if not config.source.remote:
         return
     if config.state.cache_dir is not None:
         directory(("state", "cache_dir"), config.state.cache_dir, write=True)
@@ -55,13 +58,13 @@ def apart(config: Config) -> None:
     copies would be pruned as adapters). `state.dir` may hold the stores (their defaults do), but
     may be neither one of them nor inside one."""
     places: list[tuple[tuple[str, str], Path]] = []
-    if not config.source.remote:
-        places.append((("source", "path"), Path(config.source.path)))
-    else:
+    if (source := _local(config.source.path)) is not None:
+        places.append((("source", "path"), source))
+    if config.source.remote:
         places.append((("state", "cache_dir"), config.cache_dir))
     if config.adapters.root is not None:
-        if not config.adapters.remote:
-            places.append((("adapters", "root"), Path(config.adapters.root)))
+        if (root := _local(config.adapters.root)) is not None:
+            places.append((("adapters", "root"), root))
         places.append((("adapters", "copies"), config.adapter_copies))
     resolved = [(".".join(key), path, path.resolve()) for key, path in places]  # (see `directory`)
     state = config.state.dir.resolve()
@@ -74,6 +77,13 @@ def apart(config: Config) -> None:
                 f"state.dir {config.state.dir}: {'is' if state == real else 'inside'} {key} {path}; "
                 "give the state its own directory"
             )
+
+
+def _local(location: str) -> Path | None:
+    """The directory a location is on this host: a local root, or a shared one (`file://`)."""
+    if location.startswith(SCHEME):
+        return root_of(location)
+    return None if is_remote(location) else Path(location)
 
 
 def adapter_tree(config: Config) -> Tree:

@@ -35,7 +35,7 @@ from ..records import RecordStore
 from ..sources import local, verdicts
 from ..sources.arrivals import Arrivals
 from ..sources.content import SOURCE_HOLDER, ContentStore, mark_staged
-from ..sources.objstore import Store
+from ..sources.filestore import open_store
 from ..sources.remote import Downloaded, Rejected, RemoteSource
 from ..threads import LoopWorker, take_all
 from . import paths
@@ -91,7 +91,7 @@ class LeaderVerdicts(LoopWorker):
         self, config: Config, staged: Callable[[], tuple[Copy, ...]], post: Callable[[LeaderSaid], None]
     ) -> None:
         super().__init__("leader-verdicts", config.source.interval)
-        self.store = Store(config.source.path, endpoint_url=config.source.endpoint_url)
+        self.store = open_store(config.source.path, endpoint_url=config.source.endpoint_url)
         self.reader = verdicts.Reader(self.store)
         self.leader, self.staged, self.post = config.node.leader or "", staged, post
 

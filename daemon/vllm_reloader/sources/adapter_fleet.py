@@ -19,7 +19,7 @@ from ..checkpoint.adapter import AdapterVersion
 from ..config import RolloutConfig
 from ..records import RecordStore
 from . import verdicts
-from .objstore import Store
+from .objstore import Bucket
 from .verdicts import Verdict
 
 Clearance = Literal["cleared", "waiting", "failed"]
@@ -38,7 +38,7 @@ class AdapterRecalled:
 
 
 class AdapterFleet:
-    def __init__(self, store: Store, rollout: RolloutConfig, log: Any, records: RecordStore) -> None:
+    def __init__(self, store: Bucket, rollout: RolloutConfig, log: Any, records: RecordStore) -> None:
         self.follower = rollout.role == "follow"
         self.records = verdicts.Fleet(store, rollout, log, records, FLEET)
 

@@ -26,8 +26,9 @@ from ..checkpoint.files import identity
 from ..config.base import is_remote
 from ..errors import ObjectChanged
 from . import verdicts
+from .filestore import open_store
 from .local import Watcher, needs_polling
-from .objstore import Object, Store
+from .objstore import Bucket, Object
 
 FILES = (CONFIG_NAME, WEIGHTS_NAME)
 CHUNK = 8 << 20
@@ -126,7 +127,7 @@ class LocalTree:
 class StoreTree:
     """An object-store prefix: one LIST a look; only `<adapter>/<version>/<file>` keys count."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Bucket) -> None:
         self.store = store
         self.where = store.url
         self._last: Listing = {}
@@ -193,7 +194,8 @@ class _Wake(FileSystemEventHandler):
 
 def tree(root: str, endpoint_url: str | None, timeout: float) -> Tree:
     if is_remote(root):
-        return StoreTree(Store(root, endpoint_url=endpoint_url, timeout=timeout, key=("adapters", "root")))
+        store = open_store(root, endpoint_url=endpoint_url, timeout=timeout, key=("adapters", "root"))
+        return StoreTree(store)
     return LocalTree(Path(root))
 
 

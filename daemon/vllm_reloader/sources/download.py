@@ -32,7 +32,7 @@ from ..checkpoint.manifest import Manifest, ManifestFile, digest_mismatch, hashe
 from ..checkpoint.scan import StreamScan
 from ..durable import fsync_dir, write_synced
 from ..errors import Cancelled, DownloadError, SourceError
-from .objstore import Object, Store
+from .objstore import Bucket, Object
 
 JOURNAL_NAME = ".parts"
 SYNC_BYTES = 256 << 20
@@ -146,7 +146,7 @@ def _check_space(staging: Path, needed: int, margin: int) -> None:
 class _Download:
     def __init__(
         self,
-        store: Store,
+        store: Bucket,
         manifest: Manifest,
         listing: dict[str, Object],
         staging: Path,
@@ -249,7 +249,7 @@ class _Download:
 
 
 def fetch(
-    store: Store,
+    store: Bucket,
     name: str,
     last: tuple[str, bytes] | None,
     manifest: Manifest,

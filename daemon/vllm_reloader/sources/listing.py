@@ -9,11 +9,14 @@ from dataclasses import replace
 
 from ..checkpoint import completeness
 from ..checkpoint.completeness import MAX_LISTING_BYTES, Entry, Incomplete, Listed
+from ..checkpoint.conventions import Convention
 from ..checkpoint.files import size_from_header
 from ..checkpoint.manifest import MANIFEST_NAME, path_problem
 from ..checkpoint.manifest import parse as parse_manifest
+from ..config import SourceConfig
 from ..errors import ManifestInvalid, NotJSONYet
-from .objstore import Object, Store
+from .filestore import SCHEME
+from .objstore import Bucket, Object
 
 
 class BucketListing:
@@ -52,6 +55,18 @@ class BucketListing:
         return max((o.modified for k, o in self.objects.items() if "/" not in k), default=0.0)
 
 
+def convention_of(source: SourceConfig) -> Convention:
+    """How a store's checkpoints say they are whole. A listed object is whole (a multipart
+    upload is invisible until it completes): no grace for a manifest or index that is not JSON.
+    A file on a shared root may be listed while its writer is still at it: grace, as locally."""
+    return Convention(
+        mode=source.completeness,
+        markers=source.markers,
+        settle_seconds=source.settle_seconds,
+        manifest_grace=source.manifest_grace if source.path.startswith(SCHEME) else 0.0,
+    )
+
+
 def judge(listed: Listed, listing: BucketListing) -> Incomplete | None:
     """pending / rejected from the manifest and the listing alone; None: download it."""
     if problem := path_problem(listed.manifest):
@@ -64,7 +79,7 @@ class HeaderSizes:
     """Each shard's whole size from its header: two small ranged GETs per shard, once per ETag.
     A header listing more than `max_tensors` is refused before it is all parsed (`[gate]`)."""
 
-    def __init__(self, store: Store, max_tensors: int | None = None) -> None:
+    def __init__(self, store: Bucket, max_tensors: int | None = None) -> None:
         self.store, self.max_tensors = store, max_tensors
         self.known: dict[tuple[str, str | None], int] = {}
 
@@ -90,7 +105,7 @@ class HeaderSizes:
         return BucketListing(objects, completing, header_size, lambda key: self.store.get(f"{name}/{key}")[0])
 
 
-def by_head(store: Store, name: str) -> dict[str, Object]:
+def by_head(store: Bucket, name: str) -> dict[str, Object]:
     """A checkpoint with our manifest whose listing failed on an odd key: what its manifest lists
     is found by HEAD, and the odd key is never looked at (a manifest over the size a completing
     file may have is returned alone, to be rejected by its size, never read)."""

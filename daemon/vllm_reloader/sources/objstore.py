@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import obstore
 from obstore.exceptions import (
@@ -66,7 +66,31 @@ class Object:
 
 
 class Unlistable(SourceError):
-    """A folder holding a key obstore cannot represent (`a//b`, `a/../b`): it cannot be listed."""
+    """A folder holding a key obstore cannot represent (`a//b`, `a/../b`), or, on a shared root,
+    something that is not a regular file: it cannot be listed."""
+
+
+Data = bytes | Path | BinaryIO
+"""What an upload reads: bytes, a file by path, or a file open for reading (read once, front to back)."""
+
+
+class Bucket(Protocol):
+    """What the sources read and write: an object-store prefix (`Store`) or a shared root
+    (`filestore.FileStore`); keys are relative to `url`. Opened by `filestore.open_store`."""
+
+    url: str
+
+    def list(self) -> tuple[dict[str, Object], dict[str, str]]: ...
+    def list_under(self, prefix: str) -> dict[str, Object]: ...
+    def head(self, key: str) -> Object | None: ...
+    def get(self, key: str) -> tuple[bytes, str | None]: ...
+    def get_range(self, key: str, start: int, end: int, etag: str | None) -> memoryview: ...
+    def exists(self, key: str) -> bool: ...
+    def put(
+        self, key: str, data: Data, *, create_only: bool = False, part_size: int | None = None
+    ) -> None: ...
+    def create(self, key: str, data: Data) -> bool: ...
+    def delete(self, keys: Sequence[str]) -> None: ...
 
 
 def client_options(

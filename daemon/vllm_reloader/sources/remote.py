@@ -9,7 +9,8 @@ fail their digest while downloading), or ready: download the newest one newer th
 serving, into the checkpoint root, where the local watcher and gate take over.
 
 A listed object is whole (a multipart upload is invisible until it completes), so a
-manifest or index that is not JSON gets no grace: it is rejected at once. This runs on its
+manifest or index that is not JSON gets no grace: it is rejected at once (on a shared root,
+`file://`, after `manifest_grace`, as in a local root). This runs on its
 own thread (a download takes minutes); rejections and finished downloads go to the main
 loop's inbox like any other event.
 """
@@ -36,8 +37,9 @@ from . import cache, local, verdicts
 from .arrivals import Arrivals
 from .content import SOURCE_HOLDER, ContentStore
 from .download import Fetched, Plan, fetch, remember
-from .listing import BucketListing, HeaderSizes, by_head, judge
-from .objstore import Object, Store
+from .filestore import open_store
+from .listing import BucketListing, HeaderSizes, by_head, convention_of, judge
+from .objstore import Bucket, Object
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,7 @@ class RemoteSource(LoopWorker):
         post: Callable[[SourceEvent], None],
         records: RecordStore,
         arrivals: Arrivals,
-        store: Store | None = None,
+        store: Bucket | None = None,
         verified_files: verified.Cache | None = None,
         serves: Callable[[], Iterable[tuple[str, str]]] = tuple,
     ) -> None:
@@ -108,7 +110,7 @@ class RemoteSource(LoopWorker):
         self.listed, self.source_id = False, str(config.source.path)
         """A listing was read: step-less versions new after it arrived (`sources.arrivals`)."""
         self.verified_files = verified_files
-        self.store = store or Store(config.source.path, endpoint_url=config.source.endpoint_url)
+        self.store = store or open_store(config.source.path, endpoint_url=config.source.endpoint_url)
         # Made once, at start (the state dir exists: its lock is held); a download makes its own
         # directory inside, never this or its parents: a state dir deleted meanwhile stays gone.
         self.staging_root.mkdir(parents=True, exist_ok=True)
@@ -117,14 +119,7 @@ class RemoteSource(LoopWorker):
         self.pending: dict[str, str] = {}
         self.unsignalled: dict[str, str] = {}  # nothing says they are complete yet: why
         self.rejected_here: dict[str, set[str]] = {}
-        # A listed object is whole: no grace for a manifest or index that is not JSON.
-        convention = conventions.Convention(
-            mode=config.source.completeness,
-            markers=config.source.markers,
-            settle_seconds=config.source.settle_seconds,
-            manifest_grace=0.0,
-        )
-        self.convention = convention
+        self.convention = convention_of(config.source)
         self.headers = HeaderSizes(self.store, config.gate.max_tensors)
         self.bad_keys: dict[str, str] = {}
         """Checkpoints whose listing hit a key obstore cannot represent (logged once each)."""

@@ -33,9 +33,11 @@ from .. import __version__
 from ..config import RolloutConfig
 from ..errors import SourceError, StateError
 from ..records import RecordStore
-from .objstore import Object, Store, Unlistable
+from .objstore import Bucket, Object, Unlistable
 
 VERDICTS_DIR = "_verdicts"
+FLEET = "checkpoints"
+"""This fleet's name in the record store (the adapters' is apart)."""
 MAX_RECORD_BYTES = 64 << 10
 """A record is a few hundred bytes; a larger object there is not one of ours (not read)."""
 WAITING_FOR_CANARIES = "waiting for canary hosts"
@@ -132,7 +134,7 @@ class Tally:
 class Reader:
     """Reads records, once per ETag (a record never changes; one that does is read again)."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Bucket) -> None:
         self.store = store
         self._read: dict[tuple[str, str | None], Record | None] = {}
 
@@ -177,7 +179,7 @@ class Fleet:
     written and read on the object-store thread only."""
 
     def __init__(
-        self, store: Store, rollout: RolloutConfig, log: Any, records: RecordStore, fleet: str = "checkpoints"
+        self, store: Bucket, rollout: RolloutConfig, log: Any, records: RecordStore, fleet: str = FLEET
     ) -> None:
         self.store, self.rollout, self.log, self.records, self.fleet = store, rollout, log, records, fleet
         self.reader = Reader(store)

@@ -39,7 +39,8 @@ import blake3
 from ..checkpoint.manifest import MANIFEST_NAME, Manifest, ManifestFile, dumps
 from ..checkpoint.manifest import parse as parse_manifest
 from ..errors import ManifestInvalid, NotJSONYet, PublishError, SourceError
-from ..sources.objstore import Store
+from ..sources.filestore import open_store
+from ..sources.objstore import Bucket
 from .publish import checked_name, default_name, source_files
 
 CLAIM_NAME = ".publishing"
@@ -82,7 +83,7 @@ def _open_hashing(path: Path) -> _HashingReader:
     return _HashingReader(path)
 
 
-def _upload(store: Store, key: str, path: Path) -> tuple[str, int]:
+def _upload(store: Bucket, key: str, path: Path) -> tuple[str, int]:
     """One file streamed up (multipart when large); the blake3 and size of the bytes uploaded.
     A file that changed while it was read (its size, mtime or inode) fails the publish."""
     with _open_hashing(path) as reader:
@@ -128,7 +129,7 @@ def _holder(claim: bytes) -> str:
     return f" ({' '.join(who.split())})"  # one line, whatever the claim holds
 
 
-def _claim(store: Store, name: str, where: str) -> None:
+def _claim(store: Bucket, name: str, where: str) -> None:
     """Create `NAME/.publishing` create-only, or fail touching nothing."""
     key, claim = f"{name}/{CLAIM_NAME}", _new_claim(name)
     try:
@@ -149,7 +150,7 @@ def _claim(store: Store, name: str, where: str) -> None:
     )
 
 
-def _release(store: Store, name: str, where: str, failure: str) -> None:
+def _release(store: Bucket, name: str, where: str, failure: str) -> None:
     """Delete this publish's claim (and nothing else)."""
     try:
         store.delete([f"{name}/{CLAIM_NAME}"])
@@ -160,7 +161,7 @@ def _release(store: Store, name: str, where: str, failure: str) -> None:
         ) from exc
 
 
-def _remove_own(store: Store, uploaded: list[str], name: str, where: str, failure: str) -> None:
+def _remove_own(store: Bucket, uploaded: list[str], name: str, where: str, failure: str) -> None:
     """Delete the objects this publish uploaded, then its claim: under the claim no one else
     wrote those keys. The claim stays while any of them may."""
     try:
@@ -174,7 +175,7 @@ def _remove_own(store: Store, uploaded: list[str], name: str, where: str, failur
     _release(store, name, where, failure)
 
 
-def _refuse_anything_there(store: Store, name: str, where: str) -> None:
+def _refuse_anything_there(store: Bucket, name: str, where: str) -> None:
     """Under the claim: NAME/ must hold nothing else (a version, a foreign writer's files, a
     crashed publish's leftovers), or the claim is released and the publish refused."""
     from ..sources.objstore import Unlistable
@@ -220,7 +221,7 @@ def publish_remote(
         raise PublishError(f"{src}: not a directory")
     name = checked_name(name or default_name(src, step))
     files = source_files(src)
-    store = Store(url, endpoint_url=endpoint_url)
+    store = open_store(url, endpoint_url=endpoint_url)
     where, manifest_key = f"{store.url}/{name}", f"{name}/{MANIFEST_NAME}"
     if store.exists(manifest_key):
         raise PublishError(f"{where} already exists; versions are never overwritten")
