@@ -75,6 +75,18 @@ def test_cli_publish_into_existing_version_exits_1(tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err
 
 
+def test_cli_publish_into_a_shared_root_publishes_into_its_directory(tmp_path, capsys, monkeypatch):
+    write_weights(tmp_path / "out")
+    assert main(["publish", str(tmp_path / "out"), "--into", f"file://{tmp_path}/root", "--step", "3"]) == 0
+    assert (tmp_path / "root" / "step-3" / "manifest.json").is_file()
+    monkeypatch.chdir(tmp_path)
+    for url in ("file://root", "file://localhost/tmp/x", "file://"):
+        assert main(["publish", str(tmp_path / "out"), "--into", url]) == 2
+        said = capsys.readouterr().err
+        assert "file:// needs an absolute path below /" in said and said.count("\n") == 1, said
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "root"], "nothing published elsewhere"
+
+
 def test_cli_publish_into_s3_prints_the_url_and_refuses_a_second_time(tmp_path, bucket):
     write_weights(tmp_path / "out")
     first = cli("publish", str(tmp_path / "out"), "--into", bucket.url, "--step", "7")

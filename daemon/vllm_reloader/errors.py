@@ -19,7 +19,8 @@ translated where they enter, so the rest of the code only ever catches these::
     ├── DownloadError          the local side of a download: no space, cannot write the cache
     │   └── Cancelled          the daemon is stopping; the journal keeps what was done
     ├── SourceError            the object store: unreachable, denied, no such bucket (retried)
-    │   └── ObjectChanged      an object's ETag changed under a download (start again)
+    │   ├── ObjectChanged      an object's ETag changed under a download (start again)
+    │   └── KeyUnreadable      one file of a shared root cannot be read (its version waits)
     └── EngineError            anything between us and the vLLM engine
         ├── EngineUnavailable  no answer: refused, reset, timed out (retry with backoff)
         ├── EngineCallFailed   the engine answered, with an error status or a bad body
@@ -104,6 +105,11 @@ class SourceError(ReloaderError):
 
 class ObjectChanged(SourceError):
     """An object was replaced while it was being downloaded (the If-Match failed)."""
+
+
+class KeyUnreadable(SourceError):
+    """One file of a shared root is not for this daemon to read (its mode, owner, a link or a
+    FIFO put there): that version's own problem, which the others do not wait on."""
 
 
 class EngineError(ReloaderError):

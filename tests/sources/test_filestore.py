@@ -4,20 +4,33 @@ every store, this one included, through `store_fixtures`.)"""
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from vllm_reloader.checkpoint.files import RACY_NS
-from vllm_reloader.errors import ConfigError, ObjectChanged, PublishError, SourceError
-from vllm_reloader.sources.filestore import MAX_DEPTH, TEMPORARY, FileStore, open_store
+from vllm_reloader.checkpoint.files import MAX_SMALL_BYTES
+from vllm_reloader.errors import ConfigError, KeyUnreadable, ObjectChanged, PublishError, SourceError
+from vllm_reloader.sources import filestore
+from vllm_reloader.sources.filestore import MAX_DEPTH, SETTLE_NS, TEMPORARY, FileStore, open_store
+
+WINDOW_NS = 50_000_000
+"""The settle window here (the daemon's is SETTLE_NS): long enough to see a write in it."""
+
+
+@pytest.fixture(autouse=True)
+def _short_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert SETTLE_NS >= 1_000_000_000, "wide enough for the clocks of a file server and a host"
+    monkeypatch.setattr(filestore, "SETTLE_NS", WINDOW_NS)
 
 
 def settled() -> None:
-    time.sleep(RACY_NS / 1e9 + 0.005)
+    time.sleep(WINDOW_NS / 1e9 + 0.01)
 
 
 @pytest.fixture
@@ -165,3 +178,77 @@ def test_filestore_root_that_is_gone_fails_the_listing_in_one_line(tmp_path: Pat
 def test_filestore_needs_an_absolute_path(url: str):
     with pytest.raises(ConfigError, match="give an absolute path after file://"):
         FileStore(url)
+
+
+def test_filestore_never_reads_whole_a_file_grown_past_any_manifest(root: Path):
+    with (root / "good" / "manifest.json").open("r+b") as grown:
+        grown.truncate(MAX_SMALL_BYTES + 1)  # sparse: no disk used
+    with pytest.raises(SourceError, match="more than"):
+        store_at(root).get("good/manifest.json")
+
+
+def test_filestore_failed_write_leaves_no_temporary(root: Path):
+    class DiskFull(io.RawIOBase):
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buffer: Any) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(SourceError, match="No space left on device"):
+        store_at(root).create("good/_verdicts/fp/h.json", DiskFull())  # type: ignore[arg-type]
+    assert not [p for p in root.rglob("*") if p.name.endswith(TEMPORARY)]
+    assert not (root / "good/_verdicts/fp/h.json").exists()
+
+
+def test_filestore_folders_and_files_it_makes_follow_the_umask(root: Path):
+    before = os.umask(0o002)
+    try:
+        store_at(root).create("good/_verdicts/fp/h.json", b"{}")
+    finally:
+        os.umask(before)
+    assert (root / "good/_verdicts/fp").stat().st_mode & 0o777 == 0o775
+    assert (root / "good/_verdicts/fp/h.json").stat().st_mode & 0o777 == 0o664
+
+
+def test_filestore_whole_read_of_a_file_just_written_has_no_etag_to_keep_it_by(root: Path):
+    store = store_at(root)
+    (root / "good" / "manifest.json").write_bytes(b'{"a": 1}')
+    assert store.get("good/manifest.json") == (b'{"a": 1}', None)
+    settled()
+    data, etag = store.get("good/manifest.json")
+    assert data == b'{"a": 1}' and etag == store.head("good/manifest.json").etag  # type: ignore[union-attr]
+
+
+def test_filestore_file_replaced_while_read_is_changed_not_mixed(root: Path, monkeypatch: pytest.MonkeyPatch):
+    shard = root / "good" / "sub" / "a.bin"
+    real = filestore.read_exactly
+
+    def replaced_meanwhile(fd: int, into: memoryview, offset: int) -> None:
+        real(fd, into, offset)
+        (root / "new.bin").write_bytes(b"xyz")
+        os.replace(root / "new.bin", shard)  # another host's writer: a new file on the name
+
+    monkeypatch.setattr(filestore, "read_exactly", replaced_meanwhile)
+    with pytest.raises(ObjectChanged):
+        store_at(root).get_range("good/sub/a.bin", 0, 3, None)
+
+
+def test_filestore_file_turned_into_a_fifo_after_listing_is_that_versions_problem(root: Path):
+    settled()
+    store = store_at(root)
+    listed = store.list()[0]["good/sub/a.bin"]
+    (root / "good" / "sub" / "a.bin").unlink()
+    os.mkfifo(root / "good" / "sub" / "a.bin")
+    with pytest.raises(KeyUnreadable, match="not a regular file"):
+        store.get_range("good/sub/a.bin", 0, 3, listed.etag)
+
+
+def test_filestore_never_walks_the_names_it_is_told_to_skip(root: Path):
+    trash = root / ".Trash-1000"
+    trash.mkdir()
+    (trash / "loop").symlink_to("/")
+    settled()
+    objects, unlisted = store_at(root).list(lambda name: name.startswith("."))
+    assert unlisted == {} and not any(k.startswith(".Trash") for k in objects)
+    assert ".Trash-1000" in store_at(root).list()[1]

@@ -17,17 +17,18 @@ from tests.support.checkpoints import MakeCheckpoint, hf_index, write_manifest, 
 from tests.support.daemon_fixtures import wait_for_event
 from tests.support.fake_engine import FakeEngine, FakeEngineServer
 from tests.support.records import open_records, source_records
-from tests.support.store_fixtures import OBJECT_STORES, STORES, WRITABLE, Bucket, new_bucket
+from tests.support.store_fixtures import OBJECT_STORES, SETTLE_FOR, STORES, WRITABLE, Bucket, new_bucket
 from vllm_reloader import config
 from vllm_reloader.checkpoint import completeness, gate, order, verified
 from vllm_reloader.checkpoint.completeness import DirectoryListing, Listed
 from vllm_reloader.checkpoint.conventions import Convention
 from vllm_reloader.checkpoint.files import INDEX_NAME
 from vllm_reloader.checkpoint.manifest import parse
-from vllm_reloader.errors import SourceError
+from vllm_reloader.errors import KeyUnreadable, SourceError
 from vllm_reloader.service.control import Reply
 from vllm_reloader.service.daemon import Daemon
 from vllm_reloader.service.messages import ControlRequest
+from vllm_reloader.sources.filestore import FileStore
 from vllm_reloader.sources.listing import BucketListing, judge
 from vllm_reloader.sources.objstore import Object, Store
 from vllm_reloader.sources.remote import Downloaded, Rejected, RemoteSource
@@ -284,7 +285,7 @@ def test_remote_manifest_on_a_shared_root_may_be_mid_write_for_its_grace(
     assert harness.rejected() == [] and "step-5" in harness.source.pending
     manifest = bucket.client / "runs" / "step-5" / "manifest.json"
     os.utime(manifest, (time.time() - 11, time.time() - 11))  # its writer gave up 11 s ago
-    time.sleep(0.03)  # out of the racy window its ctime opened
+    time.sleep(SETTLE_FOR + 0.01)  # out of the window its ctime opened
     harness.source.poll()
     (rejection,) = harness.rejected()
     assert rejection["check"] == "manifest" and "not valid JSON" in rejection["reason"]
@@ -773,6 +774,48 @@ def test_remote_downloads_a_version_with_no_step_uploaded_after_the_stepped_one_
     harness.source.poll()
     assert harness.fetched() == ["step-1", "final"], "listed after step-1: newer; 'there' was there first"
     assert harness.source.arrivals.of(bucket.url, "final") == (1, 1)
+
+
+@pytest.mark.stores("file")
+def test_remote_version_with_a_file_it_cannot_read_waits_and_an_older_one_loads(
+    tmp_path, bucket: Bucket, make_checkpoint, monkeypatch: pytest.MonkeyPatch
+):
+    """A shard of a shared root this daemon may not read (a trainer's umask 077 under root
+    squash): that version waits, saying why; the older one loads; once readable, it loads."""
+    harness = Harness(tmp_path, bucket.url)
+    bucket.upload_dir(make_checkpoint("step-1", step=1, root=tmp_path / "src", seed=1), "step-1")
+    bucket.upload_dir(make_checkpoint("step-2", step=2, root=tmp_path / "src", seed=2), "step-2")
+    real = FileStore._open
+
+    def denied(store: FileStore, what: str, key: str, name: str, parent: int) -> int:
+        if key.startswith("step-2/") and key.endswith(".safetensors"):
+            raise KeyUnreadable(f"{what} {store.url}/{key}: Permission denied")
+        return real(store, what, key, name, parent)
+
+    monkeypatch.setattr(FileStore, "_open", denied)
+    with structlog.testing.capture_logs() as logs:
+        harness.source.poll()
+    assert harness.fetched() == ["step-1"] and not harness.rejected()
+    assert "Permission denied" in harness.source.pending["step-2"]
+    assert not [e for e in logs if e["event"] in ("source.failed", "download.failed")]
+    monkeypatch.setattr(FileStore, "_open", real)
+    harness.source.poll()
+    assert harness.fetched() == ["step-1", "step-2"]
+
+
+@pytest.mark.stores("file")
+def test_remote_shared_root_name_that_is_not_utf8_is_never_a_version(
+    tmp_path, bucket: Bucket, checkpoint: Path
+):
+    harness = Harness(tmp_path, bucket.url)
+    odd = os.fsdecode(b"step-9\xff")
+    bucket.upload_dir(checkpoint, odd)
+    with structlog.testing.capture_logs() as logs:
+        harness.source.poll()
+        harness.source.poll()
+    assert harness.posted == [] and harness.source.seen == {}
+    (said,) = [e for e in logs if e["event"] == "source.bad_key"]
+    assert "not UTF-8" in said["reason"]
 
 
 @pytest.mark.stores(*OBJECT_STORES, "gcs")  # a shared root cannot hold the name either

@@ -31,7 +31,7 @@ import httpx
 import pytest
 
 from tests.support.ports import unused_port
-from vllm_reloader.checkpoint.files import RACY_NS
+from vllm_reloader.sources import filestore
 
 STORES = ("s3", "azure", "gcs", "file")
 WRITABLE = ("s3", "azure", "file")
@@ -39,6 +39,8 @@ WRITABLE = ("s3", "azure", "file")
 OBJECT_STORES = ("s3", "azure")
 """Writable object stores only, for tests too slow to run on every kind (a real engine's)."""
 SCHEMES = {"s3": "s3", "azure": "az", "gcs": "gs"}
+SETTLE_FOR = 0.03
+"""Seconds a shared root's file settles in, in-process (`filestore.SETTLE_NS`, narrowed)."""
 AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = (  # Azurite's well-known development key (public, in its docs)
     "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
@@ -74,7 +76,7 @@ class Bucket:
             partial.write_bytes(data)
             partial.replace(path)  # whole or not at all, as an object
             if settle:
-                time.sleep(RACY_NS / 1e9 + 0.005)
+                time.sleep(SETTLE_FOR + 0.005)
         elif self.kind == "s3":
             self.client.put_object(Bucket=self.name, Key=key, Body=data)
         elif self.kind == "azure":
@@ -112,7 +114,7 @@ class Bucket:
             if path.is_file() and relative not in skip:
                 self.put(f"{name}/{relative}", path.read_bytes(), settle=False)
         if self.kind == "file":
-            time.sleep(RACY_NS / 1e9 + 0.005)
+            time.sleep(SETTLE_FOR + 0.005)
 
     def listed(self) -> list[str]:
         if self.kind == "file":
@@ -151,6 +153,8 @@ def store_kind() -> str:
 @pytest.fixture
 def bucket(store_kind: str, request: pytest.FixtureRequest) -> Iterator[Bucket]:
     endpoint = request.getfixturevalue(f"{store_kind}_env")
+    if store_kind == "file":  # files settle in SETTLE_FOR here, not the daemon's second
+        request.getfixturevalue("monkeypatch").setattr(filestore, "SETTLE_NS", int(SETTLE_FOR * 1e9))
     found = new_bucket(endpoint, kind=store_kind)
     yield found
     if store_kind in ("azure", "gcs"):

@@ -37,11 +37,18 @@ def _as_str(value: object, info: ValidationInfo) -> object:
 def _known_scheme(value: str) -> str:
     if "://" in value and not value.startswith(REMOTE_SCHEMES):
         raise ValueError(f"unsupported scheme; use a local path or one of {', '.join(REMOTE_SCHEMES)}")
-    if value.startswith("file://") and (not value.startswith("file:///") or value.rstrip("/") == "file:"):
-        raise ValueError("file:// needs an absolute path below / (file:///mnt/checkpoints)")
-    if value.startswith("file://") and "\0" in value:
-        raise ValueError("must not hold a NUL character")
+    if problem := shared_root_problem(value):
+        raise ValueError(problem)
     return value
+
+
+def shared_root_problem(value: str) -> str | None:
+    """Why a `file://` location names no shared root (a relative path, a host, `/` itself)."""
+    if not value.startswith("file://"):
+        return None
+    if not value.startswith("file:///") or value.rstrip("/") == "file:":
+        return "file:// needs an absolute path below / (file:///mnt/checkpoints)"
+    return "must not hold a NUL character" if "\0" in value else None
 
 
 ConfigPath = Annotated[Path, BeforeValidator(anchored)]

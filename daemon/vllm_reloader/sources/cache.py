@@ -1,5 +1,5 @@
-"""The download cache's own upkeep: partial downloads no longer wanted, and a single-file
-checkpoint's times. What is deleted from the cache once placed is the content store's
+"""The download cache's own upkeep: what is placed in it, partial downloads no longer wanted,
+and a single-file checkpoint's times. What is deleted from the cache once placed is the content store's
 collector's alone (`content`)."""
 
 from __future__ import annotations
@@ -7,6 +7,11 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+
+from ..checkpoint import completeness, order
+from ..checkpoint.completeness import DirectoryListing
+from ..checkpoint.conventions import Convention
+from . import local
 
 
 def clean_staging(staging: Path, keep: set[str]) -> None:
@@ -24,3 +29,19 @@ def backdate(directory: Path, when: float) -> None:
     would wait `settle_seconds` a second time."""
     for path in (*directory.iterdir(), directory):
         os.utime(path, (when, when))
+
+
+def placed(root: Path, convention: Convention) -> dict[str, set[str]]:
+    """The contents of each name already in the cache's root (their fingerprints, as the placed
+    directories' names give them): a name rewritten in the store since is a candidate again.
+    A directory of an earlier release (placed as NAME) is fingerprinted from its files."""
+    found: dict[str, set[str]] = {}
+    for directory in local.list_candidates(root, ()):
+        name, fingerprint = order.split_placed(directory)
+        if not fingerprint:
+            try:
+                fingerprint = completeness.fingerprint(DirectoryListing(root / name), convention)
+            except OSError:
+                continue
+        found.setdefault(name, set()).add(fingerprint)
+    return found

@@ -10,9 +10,11 @@ why, as a key obstore cannot represent does in a bucket.
 
 An object's ETag is its identity on the file server (inode, size, mtime, ctime): the same on
 every host mounting the share, changed by any rewrite. A read compares it before and after (a
-change meanwhile is `ObjectChanged`), and a file changed within `RACY_NS` of being looked at is
-left out of that listing of checkpoints: within one clock tick a rewrite need not show in its
-identity, and what is read from a listed file is kept by its ETag.
+change meanwhile is `ObjectChanged`; the second look opens the file again, as NFS revalidates
+its attributes only on open). A file changed within `SETTLE_NS` of being looked at is left out
+of that listing of checkpoints, and read without an ETag to keep its bytes by: within one clock
+tick a rewrite need not show in its identity. The window is wider than a tick so that the file
+server's clock and this host's may differ by up to it (NTP keeps them far closer).
 
 Writes (the fleet's records, `publish --into file://`) go to a temporary file in the same folder,
 fsynced, then renamed over the name, or hard-linked to it when only a new name may be made
@@ -32,17 +34,21 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import BinaryIO
 
-from ..checkpoint.files import OPEN_FLAGS, RACY_NS, read_exactly
-from ..errors import ConfigError, ObjectChanged, PublishError, SourceError
-from .objstore import Bucket, Object, Store, Unlistable
+from ..checkpoint.files import MAX_SMALL_BYTES, OPEN_FLAGS, read_exactly
+from ..errors import ConfigError, KeyUnreadable, ObjectChanged, PublishError, SourceError
+from .objstore import Bucket, Data, Object, Skip, Store, Unlistable, skip_nothing
 
 SCHEME = "file://"
 TEMPORARY = ".vllm-reloader-tmp"
 """The end of a write's temporary name: never listed."""
+SETTLE_NS = 1_000_000_000
+"""A file changed this recently (by either clock) may change again without its ETag showing it."""
 MAX_DEPTH = 32
 """Folders nested deeper than this in one checkpoint make it unlisted (no checkpoint has them)."""
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+_UNREADABLE = (errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENXIO, errno.ENODEV)
+"""A file's own mode or kind (a link, a socket), not the share's failure."""
 
 
 def open_store(
@@ -81,15 +87,16 @@ class FileStore:
 
     # Reading.
 
-    def list(self) -> tuple[dict[str, Object], dict[str, str]]:
+    def list(self, skip: Skip = skip_nothing) -> tuple[dict[str, Object], dict[str, str]]:
         """Every regular file under the root (key → size, ETag, time), and the top-level names
         holding something that is not one (a link, a FIFO, a name that is not UTF-8, a folder
-        that cannot be read), with why: such a name costs only its own checkpoint."""
+        that cannot be read), with why: such a name costs only its own checkpoint. Top-level
+        names to `skip` (a `.Trash` folder, a publish's `.incoming`) are never walked."""
         found: dict[str, Object] = {}
         unlisted: dict[str, str] = {}
         try:
             with self._folder(()) as root:
-                names = _names(root)
+                names = [name for name in _names(root) if not skip(name)]
                 for name in names:
                     try:
                         found.update(self._under(root, name, settled=True))
@@ -173,12 +180,17 @@ class FileStore:
         return _object(info) if stat.S_ISREG(info.st_mode) else None
 
     def get(self, key: str) -> tuple[bytes, str | None]:
-        """A whole (small) file and its ETag."""
+        """A whole small file (a manifest, a record) and its ETag; a larger one, grown since it
+        was listed, is refused, never read into memory."""
         with self._reading("GET", key, None) as (fd, size):
+            if size > MAX_SMALL_BYTES:
+                raise SourceError(
+                    f"GET {self.url}/{key}: {size} bytes, more than {MAX_SMALL_BYTES} to read whole"
+                )
             data = bytearray(size)
             read_exactly(fd, memoryview(data), 0)
-            etag = _etag(os.fstat(fd))
-        return bytes(data), etag
+            info = os.fstat(fd)
+        return bytes(data), None if _racy(info) else _etag(info)
 
     def get_range(self, key: str, start: int, end: int, etag: str | None) -> memoryview:
         """Bytes [start, end) of the file, only if it still has `etag`."""
@@ -194,73 +206,78 @@ class FileStore:
         parts = self._parts(what, key)
         try:
             with self._folder(parts[:-1]) as parent:
-                fd = os.open(parts[-1], OPEN_FLAGS, dir_fd=parent)
+                fd = self._open(what, key, parts[-1], parent)
+                try:
+                    before = os.fstat(fd)
+                    if etag is not None and _etag(before) != etag:
+                        raise ObjectChanged(f"{what} {self.url}/{key}: changed while being read")
+                    yield fd, before.st_size
+                finally:
+                    os.close(fd)
+                again = self._open(what, key, parts[-1], parent)  # NFS: fresh attributes
+                try:
+                    if _etag(os.fstat(again)) != _etag(before):
+                        raise ObjectChanged(f"{what} {self.url}/{key}: changed while being read")
+                finally:
+                    os.close(again)
         except OSError as exc:
             raise self._fail(what, key, exc) from exc
+
+    def _open(self, what: str, key: str, name: str, parent: int) -> int:
+        """The file, open for reading; `KeyUnreadable` if it is not one this daemon may read."""
         try:
-            before = os.fstat(fd)
-            if not stat.S_ISREG(before.st_mode):
-                raise SourceError(f"{what} {self.url}/{key}: not a regular file")
-            if etag is not None and _etag(before) != etag:
-                raise ObjectChanged(f"{what} {self.url}/{key}: changed while being read")
-            yield fd, before.st_size
-            if _etag(os.fstat(fd)) != _etag(before):
-                raise ObjectChanged(f"{what} {self.url}/{key}: changed while being read")
+            fd = os.open(name, OPEN_FLAGS, dir_fd=parent)
         except OSError as exc:
-            raise self._fail(what, key, exc) from exc
-        finally:
+            if exc.errno in _UNREADABLE:
+                raise KeyUnreadable(f"{what} {self.url}/{key}: {exc.strerror}") from exc
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
+            raise KeyUnreadable(f"{what} {self.url}/{key}: not a regular file")
+        return fd
 
     def exists(self, key: str) -> bool:
         return self.head(key) is not None
 
     # Writing.
 
-    def put(
-        self,
-        key: str,
-        data: bytes | Path | BinaryIO,
-        *,
-        create_only: bool = False,
-        part_size: int | None = None,
-    ) -> None:
+    def put(self, key: str, data: Data, *, create_only: bool = False, part_size: int | None = None) -> None:
         """Write one file whole (renamed into place: a reader sees the old or the new);
         `create_only`: never over one that exists. `part_size` is for object stores."""
         del part_size
         if not self._write(key, data, create=create_only):
             raise PublishError(f"{self.url}/{key} already exists; versions are never overwritten")
 
-    def create(self, key: str, data: bytes | Path | BinaryIO) -> bool:
+    def create(self, key: str, data: Data) -> bool:
         """Write one file only if none is there (the file server decides: two writers racing
         cannot both win); False when one was."""
         return self._write(key, data, create=True)
 
-    def _write(self, key: str, data: bytes | Path | BinaryIO, *, create: bool) -> bool:
+    def _write(self, key: str, data: Data, *, create: bool) -> bool:
         parts = self._parts("PUT", key)
         temporary = f".{secrets.token_hex(8)}{TEMPORARY}"
         try:
             with self._folder(parts[:-1], make=True) as parent:
-                fd = os.open(temporary, _NEW_FILE, 0o644, dir_fd=parent)
+                fd = os.open(temporary, _NEW_FILE, 0o666, dir_fd=parent)  # the umask decides
                 try:
-                    with os.fdopen(fd, "wb", closefd=False) as out:
-                        _copy(data, out)
-                    os.fsync(fd)
+                    try:
+                        with os.fdopen(fd, "wb", closefd=False) as out:
+                            _copy(data, out)
+                        os.fsync(fd)
+                        if create:
+                            made = _link(temporary, parts[-1], parent, fd)
+                        else:
+                            made = True
+                            os.rename(temporary, parts[-1], src_dir_fd=parent, dst_dir_fd=parent)
+                    finally:
+                        os.close(fd)
                 finally:
-                    os.close(fd)
-                try:
-                    if create:
-                        os.link(temporary, parts[-1], src_dir_fd=parent, dst_dir_fd=parent)
-                    else:
-                        os.rename(temporary, parts[-1], src_dir_fd=parent, dst_dir_fd=parent)
-                except FileExistsError:
-                    return False
-                finally:
-                    with suppress(FileNotFoundError):
+                    with suppress(FileNotFoundError):  # a full disk, a crash: none left behind
                         os.unlink(temporary, dir_fd=parent)
                 os.fsync(parent)
         except OSError as exc:
             raise self._fail("PUT", key, exc) from exc
-        return True
+        return made
 
     def delete(self, keys: Sequence[str]) -> None:
         """Remove these files; one already gone is no error."""
@@ -292,13 +309,23 @@ class FileStore:
             for part in parts:
                 if make:
                     with suppress(FileExistsError):
-                        os.mkdir(part, 0o755, dir_fd=fd)
+                        os.mkdir(part, 0o777, dir_fd=fd)  # the umask decides
                 inner = os.open(part, _DIRECTORY, dir_fd=fd)
                 os.close(fd)
                 fd = inner
             yield fd
         finally:
             os.close(fd)
+
+
+def _link(temporary: str, name: str, parent: int, fd: int) -> bool:
+    """Hard-link the written file to `name` unless one is there. Over NFS a retransmitted
+    LINK can answer EEXIST for the link it made itself: then the file has two names."""
+    try:
+        os.link(temporary, name, src_dir_fd=parent, dst_dir_fd=parent)
+    except FileExistsError:
+        return os.fstat(fd).st_nlink == 2
+    return True
 
 
 def _names(fd: int) -> list[str]:
@@ -313,10 +340,9 @@ def _check_name(name: str, key: str) -> None:
 
 
 def _racy(info: os.stat_result) -> bool:
-    """Changed so recently that a rewrite within the same clock tick would not show (a time
-    ahead of this host's clock by more is the file server's skew, not a write now)."""
+    """Changed so recently that a rewrite within the same clock tick would not show."""
     now = time.time_ns()
-    return abs(now - info.st_mtime_ns) < RACY_NS or abs(now - info.st_ctime_ns) < RACY_NS
+    return abs(now - info.st_mtime_ns) < SETTLE_NS or abs(now - info.st_ctime_ns) < SETTLE_NS
 
 
 def _object(info: os.stat_result) -> Object:
@@ -328,7 +354,7 @@ def _etag(info: os.stat_result) -> str:
     return f'"{info.st_ino:x}-{info.st_size:x}-{info.st_mtime_ns:x}-{info.st_ctime_ns:x}"'
 
 
-def _copy(data: bytes | Path | BinaryIO, out: BinaryIO) -> None:
+def _copy(data: Data, out: BinaryIO) -> None:
     if isinstance(data, bytes):
         out.write(data)
     elif isinstance(data, Path):

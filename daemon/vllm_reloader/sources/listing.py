@@ -14,7 +14,7 @@ from ..checkpoint.files import size_from_header
 from ..checkpoint.manifest import MANIFEST_NAME, path_problem
 from ..checkpoint.manifest import parse as parse_manifest
 from ..config import SourceConfig
-from ..errors import ManifestInvalid, NotJSONYet
+from ..errors import KeyUnreadable, ManifestInvalid, NotJSONYet
 from .filestore import SCHEME
 from .objstore import Bucket, Object
 
@@ -117,8 +117,8 @@ def by_head(store: Bucket, name: str) -> dict[str, Object]:
         return objects
     try:
         manifest = parse_manifest(store.get(f"{name}/{MANIFEST_NAME}")[0])
-    except (NotJSONYet, ManifestInvalid):
-        return objects  # judged (and rejected) like any bad manifest
+    except (NotJSONYet, ManifestInvalid, KeyUnreadable):
+        return objects  # judged like any bad manifest; one unreadable here waits
     if path_problem(manifest) is None:
         for item in manifest.files:
             if (found := store.head(f"{name}/{item.path}")) is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
@@ -70,6 +70,14 @@ class Unlistable(SourceError):
     something that is not a regular file: it cannot be listed."""
 
 
+Skip = Callable[[str], bool]
+"""Top-level names a listing need not look into (a store may list them anyway)."""
+
+
+def skip_nothing(_name: str) -> bool:
+    return False
+
+
 Data = bytes | Path | BinaryIO
 """What an upload reads: bytes, a file by path, or a file open for reading (read once, front to back)."""
 
@@ -80,7 +88,7 @@ class Bucket(Protocol):
 
     url: str
 
-    def list(self) -> tuple[dict[str, Object], dict[str, str]]: ...
+    def list(self, skip: Skip = skip_nothing) -> tuple[dict[str, Object], dict[str, str]]: ...
     def list_under(self, prefix: str) -> dict[str, Object]: ...
     def head(self, key: str) -> Object | None: ...
     def get(self, key: str) -> tuple[bytes, str | None]: ...
@@ -164,13 +172,13 @@ class Store:
         reason = reasons.one_line(exc, proxy=self._proxy, env_prefix=self._prefix)
         return SourceError(f"{what} {where}: {reason}", f"{what} {where}: {reasons.detail(exc)}")
 
-    def list(self) -> tuple[dict[str, Object], dict[str, str]]:
+    def list(self, skip: Skip = skip_nothing) -> tuple[dict[str, Object], dict[str, str]]:
         """Every object under the prefix (key → size, ETag, time), and the top-level names
         whose objects could not be listed, with why.
 
         obstore refuses a whole listing at the first key it cannot represent (`a//b`,
-        `a/../b`). Then each top-level name is listed on its own, so such a key costs only
-        the listing of the checkpoint holding it."""
+        `a/../b`). Then each top-level name is listed on its own (but those to `skip`), so
+        such a key costs only the listing of the checkpoint holding it."""
         try:
             return self._list(None), {}
         except InvalidPathError:
@@ -182,6 +190,8 @@ class Store:
         found: dict[str, Object] = {}
         unlisted: dict[str, str] = {}
         for name in names:
+            if skip(name.rstrip("/")):
+                continue
             try:
                 found.update(self._list(name))
             except InvalidPathError as exc:
@@ -245,14 +255,7 @@ class Store:
     def exists(self, key: str) -> bool:
         return self.head(key) is not None
 
-    def put(
-        self,
-        key: str,
-        data: bytes | Path | BinaryIO,
-        *,
-        create_only: bool = False,
-        part_size: int | None = None,
-    ) -> None:
+    def put(self, key: str, data: Data, *, create_only: bool = False, part_size: int | None = None) -> None:
         """Upload one object; `create_only` sends `If-None-Match: *` (never overwrite).
 
         Otherwise a file (a `Path`, or a file open for reading, which obstore reads once, front to
@@ -269,7 +272,7 @@ class Store:
         except (BaseError, OSError) as exc:
             raise self._fail("PUT", key, exc) from exc
 
-    def create(self, key: str, data: bytes | Path | BinaryIO) -> bool:
+    def create(self, key: str, data: Data) -> bool:
         """Upload one object only if none is there (`If-None-Match: *`, decided by the store
         itself, so two writers racing cannot both win); False when one was."""
         try:

@@ -26,11 +26,11 @@ from typing import Any
 
 from .. import log
 from ..checkpoint import completeness, conventions, order, verified
-from ..checkpoint.completeness import MAX_LISTING_BYTES, DirectoryListing, Incomplete, Listed
+from ..checkpoint.completeness import MAX_LISTING_BYTES, Incomplete, Listed
 from ..checkpoint.files import SINGLE_NAME
 from ..checkpoint.manifest import Manifest
 from ..config import Config
-from ..errors import Cancelled, DownloadError, SourceError
+from ..errors import Cancelled, DownloadError, KeyUnreadable, SourceError
 from ..records import RecordStore
 from ..threads import LoopWorker
 from . import cache, local, verdicts
@@ -181,15 +181,16 @@ class RemoteSource(LoopWorker):
     def poll(self) -> None:
         """One round: LIST, refresh changed completing objects, judge, download the newest ready one."""
         try:
-            listing, unlisted = self.store.list()
+            listing, unlisted = self.store.list(self._ignored)
             by_name: dict[str, dict[str, Object]] = {}
             for key, found in listing.items():
                 name, _, rest = key.partition("/")
                 ours = rest and not verdicts.is_record(rest)  # records are not a checkpoint's files
-                if ours and not local.is_ignored(name, self.config.source.ignore):
+                if ours and not self._ignored(name):
                     by_name.setdefault(name, {})[rest] = found
+            self.bad_keys = {n: p for n, p in self.bad_keys.items() if n in unlisted}  # said again if back
             for name, problem in unlisted.items():
-                if not local.is_ignored(name, self.config.source.ignore):
+                if not self._ignored(name):
                     by_name[name] = self._objects_by_head(name, problem)
             self._refresh({name: objects for name, objects in by_name.items() if objects})
             if not self.listed:
@@ -201,7 +202,7 @@ class RemoteSource(LoopWorker):
         except SourceError as exc:
             self._report("source", exc, retry_in_s=self.config.source.interval)
             return
-        placed = self._placed()
+        placed = cache.placed(self.config.checkpoint_root, self.convention)
         candidates = {
             name: seen.candidate
             for name, seen in self.seen.items()
@@ -223,14 +224,19 @@ class RemoteSource(LoopWorker):
                 if not self._cleared(name, seen, waiting):
                     continue
                 listed = completeness.describe(bucket, self.convention, time.time())
+            except KeyUnreadable as exc:  # one file of a shared root: this version waits, not all
+                self._waiting(name, str(exc), waiting)
+                continue
             except SourceError as exc:
                 self._report("source", exc, retry_in_s=self.config.source.interval)
                 return
             verdict = listed if isinstance(listed, Incomplete) else judge(listed, bucket)
             if verdict is None:
                 assert isinstance(listed, Listed)
-                self._download(name, listed, by_name[name])
-                break
+                if (unreadable := self._download(name, listed, by_name[name])) is None:
+                    break
+                self._waiting(name, unreadable, waiting)
+                continue
             if verdict.status == "pending":
                 self._waiting(name, verdict.reason, waiting)
             else:
@@ -242,6 +248,9 @@ class RemoteSource(LoopWorker):
                 self._waiting(name, reason, waiting)
         self.pending = waiting
         self._clear("source")  # the whole round read what it needed (a failed header read is no recovery)
+
+    def _ignored(self, name: str) -> bool:
+        return local.is_ignored(name, self.config.source.ignore)
 
     def _rejected(self) -> dict[str, set[str]]:
         theirs, here = self.rejected(), self.rejected_here  # the loop's, and this thread's
@@ -262,30 +271,16 @@ class RemoteSource(LoopWorker):
             return problem, "local"
         return None
 
-    def _placed(self) -> dict[str, set[str]]:
-        """The contents of each name already in the cache (their fingerprints, as the placed
-        directories' names give them): a name rewritten in the store since is a candidate again.
-        A directory of an earlier release (placed as NAME) is fingerprinted from its files."""
-        found: dict[str, set[str]] = {}
-        root = self.config.checkpoint_root
-        for directory in local.list_candidates(root, ()):
-            name, fingerprint = order.split_placed(directory)
-            if not fingerprint:
-                try:
-                    fingerprint = completeness.fingerprint(DirectoryListing(root / name), self.convention)
-                except OSError:
-                    continue
-            found.setdefault(name, set()).add(fingerprint)
-        return found
-
     def _objects_by_head(self, name: str, problem: str) -> dict[str, Object]:
         """A checkpoint whose listing failed on an odd key: with our manifest, what it lists
         is found by HEAD, and the odd key is never looked at; a foreign writer's checkpoint,
-        whose files only a listing names, waits (logged once per problem)."""
+        whose files only a listing names, waits (logged once per problem). A name that is not
+        UTF-8 (a shared root's) is never a version's: nothing more is read."""
         if self.bad_keys.get(name) != problem:
             self.bad_keys[name] = problem
             self.log.warning("source.bad_key", name=name, reason=problem)
-        return by_head(self.store, name) if self.convention.mode in ("manifest", "auto") else {}
+        wanted = self.convention.mode in ("manifest", "auto") and local.unusable_name(name) is None
+        return by_head(self.store, name) if wanted else {}
 
     def _listing(self, name: str, objects: Mapping[str, Object], signal: str, data: bytes) -> BucketListing:
         return self.headers.listing(name, objects, {} if signal == SINGLE_NAME else {signal: data})
@@ -316,7 +311,12 @@ class RemoteSource(LoopWorker):
             elif signal == SINGLE_NAME:
                 data, etag = b"", listed.etag
             else:
-                data, etag = self.store.get(f"{name}/{signal}")
+                try:
+                    data, etag = self.store.get(f"{name}/{signal}")
+                except KeyUnreadable as exc:
+                    self.seen.pop(name, None)
+                    self.unsignalled[name] = str(exc)
+                    continue
             listing = self._listing(name, objects, signal, data)
             self.seen[name] = Seen(signal, etag, data, completeness.candidate(name, listing, self.convention))
         for name, candidate in self._arrived({n: s.candidate for n, s in self.seen.items()}).items():
@@ -334,7 +334,9 @@ class RemoteSource(LoopWorker):
         version = (manifest.version if manifest else None) or name
         self.post(Rejected(name, version, verdict.reason, fp, verdict.check))
 
-    def _download(self, name: str, listed: Listed, objects: Mapping[str, Object]) -> None:
+    def _download(self, name: str, listed: Listed, objects: Mapping[str, Object]) -> str | None:
+        """Placed, failing or stopped: None. A file of it that cannot be read here (a shared
+        root's): why, and the next version may load meanwhile."""
         seen = self.seen[name]
         files = Manifest(format_version=1, files=listed.manifest.files + listed.extras)
         plan = Plan(
@@ -358,25 +360,27 @@ class RemoteSource(LoopWorker):
                 place_as=order.placed_name(name, seen.fingerprint),
             )
         except Cancelled:
-            return
+            return None
+        except KeyUnreadable as exc:
+            return str(exc)
         except DownloadError as exc:
             if isinstance(exc.__cause__, OSError) and exc.__cause__.errno in local.OWN_ERRNOS:
                 own = Incomplete(
                     "rejected", str(exc), listed.fingerprint, local.OWN_ERRNOS[exc.__cause__.errno]
                 )
                 self._reject(name, listed.manifest, own)
-                return  # its own names or paths: no retry fixes it
+                return None  # its own names or paths: no retry fixes it
             self._report("download", exc, name=name, retry_in_s=self.config.source.interval)
-            return
+            return None
         except SourceError as exc:
             self._report("download", exc, name=name, retry_in_s=self.config.source.interval)
-            return
+            return None
         self._clear("download")
         if fetched.rejected:
             self._reject(
                 name, listed.manifest, Incomplete("rejected", fetched.rejected, listed.fingerprint, "digests")
             )
-            return
+            return None
         if seen.signal == SINGLE_NAME and fetched.path is not None:
             cache.backdate(fetched.path, max(o.modified for o in objects.values()))
         if fetched.path is not None:
@@ -393,3 +397,4 @@ class RemoteSource(LoopWorker):
             mb_per_s=round(fetched.fetched_bytes / fetched.seconds / 1e6, 1) if fetched.seconds else None,
         )
         self.post(Downloaded(fetched.path.name if fetched.path else name))
+        return None
