@@ -54,7 +54,7 @@ from .files import (
     reader,
     weights_from_index,
 )
-from .manifest import Manifest, ManifestFile, path_problem
+from .manifest import DELTA_REFUSED, Manifest, ManifestFile, path_problem
 from .scan import Run as Run
 
 __all__ = ["GateOptions", "Verdict", "check"]
@@ -313,6 +313,8 @@ def _check(
     if isinstance(listed, Incomplete):
         return _from_incomplete(listed)
     manifest, fp = listed.manifest, listed.fingerprint
+    if manifest.delta is not None:
+        return _rejected(DELTA_REFUSED, manifest, fp, check="manifest")
     if problem := path_problem(manifest) or _escapes(directory, listing, manifest):
         return _rejected(problem, manifest, fp, check="paths")
     if incomplete := completeness.check_files(listing, manifest):

@@ -19,6 +19,14 @@ from .files import is_top_level_shard
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
+DELTA_NAME = "delta/tensors.safetensors"
+"""Not at the top: vLLM's loader reads every top-level `*.safetensors` as weights."""
+MAX_CHAIN = 32
+"""Deltas on deltas, at most; a longer chain is refused (publish a full version: an anchor)."""
+DELTA_REFUSED = (
+    "a delta version (docs/deltas.md): this release does not materialize deltas yet; publish "
+    "the version whole"
+)
 MAX_STEP = 2**53
 """Steps are exported as a float metric: beyond this they would not be exact."""
 
@@ -32,6 +40,34 @@ class ManifestFile(BaseModel):
     blake3: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
 
 
+class DeltaTensor(BaseModel):
+    """One tensor a delta version changes (`checkpoint.delta`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    name: str = Field(min_length=1, max_length=1024)
+    shard: str = Field(min_length=1)
+    encoding: Literal["whole", "sparse"]
+    blake3: str = Field(pattern=r"^[0-9a-f]{64}$")
+    """Of the bytes it produces: the tensor whole, as the full version holds it."""
+
+
+class Delta(BaseModel):
+    """What makes a manifest a delta version's: its base, and what changed since."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    base: str = Field(pattern=r"^[0-9a-f]{64}$")
+    """The base's fingerprint (`base_fingerprint`): a full version, or one a delta produced."""
+    base_version: str | None = Field(None, max_length=200)
+    """Its name, for people: the fingerprint alone says which it is."""
+    depth: int = Field(ge=1, le=MAX_CHAIN)
+    """1 on a full version; one more than its base's on a delta's."""
+    file: ManifestFile
+    """`delta.safetensors`: the encodings."""
+    tensors: tuple[DeltaTensor, ...]
+
+
 class Manifest(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
@@ -42,10 +78,16 @@ class Manifest(BaseModel):
     """Reported as the engine's weight version and in systemd's STATUS: no control characters."""
     step: int | None = Field(None, ge=-MAX_STEP, le=MAX_STEP)
     files: tuple[ManifestFile, ...] = Field(min_length=1)
+    """Every file of the version; a delta's: of the full version it produces."""
+    delta: Delta | None = None
 
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
+
+    def produced(self) -> Manifest:
+        """The manifest of the full version a delta produces (itself, for a full version)."""
+        return self if self.delta is None else self.model_copy(update={"delta": None})
 
 
 def parse(data: bytes) -> Manifest:
@@ -66,6 +108,14 @@ def parse(data: bytes) -> Manifest:
 
 def dumps(manifest: Manifest) -> bytes:
     return (manifest.model_dump_json(exclude_none=True, indent=1) + "\n").encode()
+
+
+def base_fingerprint(data: bytes) -> str:
+    """What a delta names its base by: the fingerprint of the full version's manifest (a
+    delta's: of the manifest it produces, as `dumps` writes it), alike wherever it is placed.
+    Raises `NotJSONYet` or `ManifestInvalid`."""
+    manifest = parse(data)
+    return hashlib.sha256(data if manifest.delta is None else dumps(manifest.produced())).hexdigest()
 
 
 HASH_CHUNK = 16 << 20
@@ -124,6 +174,21 @@ def path_problem(manifest: Manifest) -> str | None:
         seen.add(entry.path)
     if not any(is_top_level_shard(e.path) for e in manifest.files):
         return "manifest lists no .safetensors file"
+    return None if manifest.delta is None else _delta_problem(manifest.delta, seen)
+
+
+def _delta_problem(delta: Delta, paths: set[str]) -> str | None:
+    if delta.file.path != DELTA_NAME:
+        return f"delta.file {delta.file.path!r} is not {DELTA_NAME}"
+    if DELTA_NAME in paths:
+        return f"{DELTA_NAME} is listed as a file of the version it produces"
+    named: set[str] = set()
+    for tensor in delta.tensors:
+        if tensor.shard not in paths or not is_top_level_shard(tensor.shard):
+            return f"delta tensor {tensor.name!r}: shard {tensor.shard!r} is not one of the version's"
+        if tensor.name in named:
+            return f"delta tensor {tensor.name!r} is listed twice"
+        named.add(tensor.name)
     return None
 
 

@@ -11,7 +11,7 @@ from ..checkpoint import completeness
 from ..checkpoint.completeness import MAX_LISTING_BYTES, Entry, Incomplete, Listed
 from ..checkpoint.conventions import Convention
 from ..checkpoint.files import size_from_header
-from ..checkpoint.manifest import MANIFEST_NAME, path_problem
+from ..checkpoint.manifest import DELTA_REFUSED, MANIFEST_NAME, path_problem
 from ..checkpoint.manifest import parse as parse_manifest
 from ..config import SourceConfig
 from ..errors import KeyUnreadable, ManifestInvalid, NotJSONYet
@@ -69,6 +69,8 @@ def convention_of(source: SourceConfig) -> Convention:
 
 def judge(listed: Listed, listing: BucketListing) -> Incomplete | None:
     """pending / rejected from the manifest and the listing alone; None: download it."""
+    if listed.manifest.delta is not None:
+        return Incomplete("rejected", DELTA_REFUSED, listed.fingerprint, "manifest")
     if problem := path_problem(listed.manifest):
         return Incomplete("rejected", problem, listed.fingerprint, "paths")
     found = completeness.check_files(listing, listed.manifest)

@@ -76,7 +76,7 @@ def _check_whole(shard: Path) -> None:
         )
 
 
-def _copy_and_hash(src: Path, dst: Path) -> tuple[str, int, int]:
+def copy_and_hash(src: Path, dst: Path) -> tuple[str, int, int]:
     """Copy one file; its blake3 and size from the same pass over the bytes, and a read-only
     descriptor of the copy, opened before the writer's is closed (see `_sync`)."""
     hasher, size = blake3.blake3(), 0
@@ -131,6 +131,36 @@ def checked_name(name: str) -> str:
     return name
 
 
+def claim(root: Path, name: str) -> Path:
+    """`ROOT/.incoming-NAME`, made by this publish: whoever creates it owns it, and only that
+    publish ever removes it."""
+    root.mkdir(parents=True, exist_ok=True)
+    incoming = root / f".incoming-{name}"
+    try:
+        incoming.mkdir()
+    except FileExistsError:
+        raise PublishError(
+            f"{incoming} exists: another publish of {name} is running or crashed (if none is running, "
+            "its files are there, a --move's only copy: take what you need, remove it, publish again)"
+        ) from None
+    except OSError as exc:
+        raise PublishError(f"publishing {name}: {exc.strerror or exc}") from exc
+    return incoming
+
+
+def commit(incoming: Path, final: Path, manifest: Manifest) -> None:
+    """The manifest last, synced with its folders, then one rename makes the version appear."""
+    write_synced(incoming / MANIFEST_NAME, dumps(manifest))
+    for directory in (incoming, *(p for p in incoming.rglob("*") if p.is_dir() and not p.is_symlink())):
+        fsync_dir(directory)
+    try:
+        os.rename(incoming, final)
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):  # another publish of NAME won
+            raise PublishError(f"{final} already exists; versions are never overwritten") from exc
+        raise
+
+
 def publish(
     src: Path, root: Path, *, name: str | None = None, step: int | None = None, move: bool = False
 ) -> Path:
@@ -141,17 +171,7 @@ def publish(
     if final.exists():
         raise PublishError(f"{final} already exists; versions are never overwritten")
     files = source_files(src)
-    root.mkdir(parents=True, exist_ok=True)
-    incoming = root / f".incoming-{name}"
-    try:  # whoever creates it owns it: only that publish ever removes it
-        incoming.mkdir()
-    except FileExistsError:
-        raise PublishError(
-            f"{incoming} exists: another publish of {name} is running or crashed (if none is running, "
-            "its files are there, a --move's only copy: take what you need, remove it, publish again)"
-        ) from None
-    except OSError as exc:
-        raise PublishError(f"publishing {name}: {exc.strerror or exc}") from exc
+    incoming = claim(root, name)
     entries: list[ManifestFile] = []
     moved: list[Path] = []  # renamed into incoming: put back on any failure (--move)
     copied: list[Path] = []
@@ -166,7 +186,7 @@ def publish(
                 with dst.open("rb") as f:
                     entry = listed(f.fileno(), relative)
             else:  # a copy (or a move across filesystems: the source goes once published)
-                digest, size, fd = _copy_and_hash(path, dst)
+                digest, size, fd = copy_and_hash(path, dst)
                 entry = ManifestFile(path=relative, size=size, blake3=digest)
                 kept.append(fd)
                 copied.append(path)
@@ -174,16 +194,7 @@ def publish(
                     _sync(kept)
             entries.append(entry)
         _sync(kept)
-        manifest = Manifest(format_version=1, version=name, step=step, files=tuple(entries))
-        write_synced(incoming / MANIFEST_NAME, dumps(manifest))
-        for directory in {(incoming / e.path).parent for e in entries}:
-            fsync_dir(directory)
-        try:
-            os.rename(incoming, final)
-        except OSError as exc:
-            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):  # another publish of NAME won
-                raise PublishError(f"{final} already exists; versions are never overwritten") from exc
-            raise
+        commit(incoming, final, Manifest(format_version=1, version=name, step=step, files=tuple(entries)))
     except BaseException as exc:
         for fd in kept:
             os.close(fd)
