@@ -151,3 +151,41 @@ def test_delta_that_cannot_be_or_is_not_smaller_is_published_whole(tmp_path: Pat
     published = publish_delta(new, first.parent, delta_from="step-1", step=2)
     assert not published.delta and why in published.why_full
     assert json.loads((published.path / MANIFEST_NAME).read_bytes()).get("delta") is None
+
+
+def test_delta_manifest_naming_a_path_outside_writes_nothing_there(tmp_path: Path, base):
+    first, weights = base
+    second = trained(weights, tmp_path / "w2", {"a.weight": 2})
+    version = publish_delta(second, first.parent, delta_from="step-1", step=2).path
+    manifest = parse((version / MANIFEST_NAME).read_bytes())
+    hostile = manifest.model_copy(
+        update={
+            "files": (*manifest.files, manifest.files[0].model_copy(update={"path": "../../escaped.json"}))
+        }
+    )
+    with pytest.raises(DeltaUnusable, match="leaves the checkpoint directory"):
+        materialize(first, version, hostile, tmp_path / "deep" / "out")
+    assert not (tmp_path / "escaped.json").exists() and not (tmp_path / "deep").exists()
+
+
+def test_delta_base_shard_that_is_a_link_is_never_linked_to(tmp_path: Path, base):
+    first, weights = base
+    second = trained(weights, tmp_path / "w2", {"a.weight": 2})
+    version = publish_delta(second, first.parent, delta_from="step-1", step=2).path
+    manifest = parse((version / MANIFEST_NAME).read_bytes())
+    shard = next(
+        e.path
+        for e in manifest.files
+        if e.path.endswith(".safetensors")
+        and e.path
+        not in {
+            t.shard
+            for t in manifest.delta.tensors  # type: ignore[union-attr]
+        }
+    )
+    moved = tmp_path / "elsewhere.safetensors"
+    (first / shard).rename(moved)
+    (first / shard).symlink_to(moved)
+    with pytest.raises(DeltaUnusable, match="not a regular file"):
+        materialize(first, version, manifest, tmp_path / "out")
+    assert not (tmp_path / "out").exists(), "nothing partial is left"

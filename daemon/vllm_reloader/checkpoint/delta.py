@@ -24,6 +24,7 @@ import functools
 import json
 import os
 import shutil
+import stat
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -54,6 +55,7 @@ from .manifest import (
     ManifestFile,
     base_fingerprint,
     dumps,
+    path_problem,
 )
 
 _WORDS: dict[int, np.dtype[np.unsignedinteger]] = {
@@ -207,6 +209,10 @@ def open_container(path: Path) -> Iterator[Container]:
 # --- materializing: the full version a delta produces ------------------------------------
 
 
+Changed = dict[str, list[tuple[int, DeltaTensor]]]
+"""Each shard's changed tensors, with their index in `delta.tensors`."""
+
+
 def materialize(base: Path, delta_dir: Path, manifest: Manifest, out: Path) -> None:
     """Write the full version a delta's `manifest` produces into the new directory `out`, from
     the base's full directory and the delta's. A shard with no changed tensor is a hard link to
@@ -216,16 +222,34 @@ def materialize(base: Path, delta_dir: Path, manifest: Manifest, out: Path) -> N
     delta = manifest.delta
     if delta is None:
         raise DeltaUnusable("not a delta version")
+    if problem := path_problem(manifest):  # nothing is written outside `out`, read outside the two
+        raise DeltaUnusable(problem)
     try:
         named = base_fingerprint(read_small(base / MANIFEST_NAME))
     except (OSError, NotJSONYet, ManifestInvalid) as exc:
         raise DeltaUnusable(f"its base {base.name} cannot be read: {exc}") from exc
     if named != delta.base:
         raise DeltaUnusable(f"its base is {delta.base[:16]}, not {base.name} ({named[:16]})")
-    changed: dict[str, list[tuple[int, DeltaTensor]]] = {}
+    changed: Changed = {}
     for index, tensor in enumerate(delta.tensors):
         changed.setdefault(tensor.shard, []).append((index, tensor))
     out.mkdir()
+    try:
+        _produce(base, delta_dir, manifest, out, changed)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)  # nothing partial is left to be taken for a version
+        raise
+
+
+def _produce(
+    base: Path,
+    delta_dir: Path,
+    manifest: Manifest,
+    out: Path,
+    changed: dict[str, list[tuple[int, DeltaTensor]]],
+) -> None:
+    delta = manifest.delta
+    assert delta is not None
     with open_container(delta_dir / DELTA_NAME) as container:
         for entry in manifest.files:
             target = out / entry.path
@@ -300,6 +324,8 @@ def _link_or_copy(source: Path, target: Path) -> None:
     """Shared with the base's copy (never written to by anyone), or copied where the
     filesystem cannot link."""
     try:
+        if not stat.S_ISREG(os.lstat(source).st_mode):
+            raise DeltaUnusable(f"{source.name} of the base is not a regular file")
         os.link(source, target, follow_symlinks=False)
     except OSError:
         _copy(source, target)
