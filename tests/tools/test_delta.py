@@ -125,6 +125,8 @@ def test_delta_of_a_delta_materializes_through_its_chain_and_stops_at_the_bound(
     made = publish_delta(third, root, delta_from="step-2", step=3)
     assert made.delta and parse((made.path / MANIFEST_NAME).read_bytes()).delta.depth == 2  # type: ignore[union-attr]
     assert not [p for p in root.iterdir() if p.name.startswith(".delta-base-")], "scratch removed"
+    again = publish_delta(third, root, delta_from="step-2", name="step-3b", base_weights=second)
+    assert (again.path / DELTA_NAME).read_bytes() == (made.path / DELTA_NAME).read_bytes()
     whole = publish_delta(fourth, root, delta_from="step-3", step=4)
     assert not whole.delta and "chain of 2" in whole.why_full
     assert (whole.path / "model-00001-of-00002.safetensors").read_bytes() == (

@@ -64,10 +64,18 @@ class _Changed:
 
 
 def publish_delta(
-    src: Path, root: Path, *, delta_from: str, name: str | None = None, step: int | None = None
+    src: Path,
+    root: Path,
+    *,
+    delta_from: str,
+    name: str | None = None,
+    step: int | None = None,
+    base_weights: Path | None = None,
 ) -> Published:
     """Publish SRC into ROOT as a delta of ROOT/`delta_from`, or whole when a delta cannot be,
-    or would not be smaller."""
+    or would not be smaller. `base_weights`: the base's full shards as the trainer saved them
+    (its previous step), so a delta of a delta is not produced again from its chain; were
+    they not the base's, every daemon refuses the delta, naming the first tensor that differs."""
     name = checked_name(name or default_name(src, step))
     base = root / checked_name(delta_from)
     try:
@@ -79,8 +87,11 @@ def publish_delta(
     if depth > MAX_CHAIN:
         return _whole(src, root, name, step, f"{delta_from} ends a chain of {MAX_CHAIN} deltas")
     files = source_files(src)
-    with _full_weights(root, base, base_manifest) as full_base:
-        changed, why = _changes(src, full_base, files)
+    if base_weights is not None:
+        changed, why = _changes(src, base_weights, files)
+    else:
+        with _full_weights(root, base, base_manifest) as full_base:
+            changed, why = _changes(src, full_base, files)
     if why:
         return _whole(src, root, name, step, why)
     entries = {
