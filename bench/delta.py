@@ -32,14 +32,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     import torch
     from safetensors.torch import save_file
 
-    from vllm_reloader.checkpoint.delta import materialize
     from vllm_reloader.checkpoint.manifest import MANIFEST_NAME, parse
+    from vllm_reloader.checkpoint.materialize import materialize
     from vllm_reloader.tools.delta import publish_delta
     from vllm_reloader.tools.publish import publish
 
     torch.manual_seed(0)
     layers = max(1, args.params_m * 1_000_000 // (args.width * args.width))
-    model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width, bias=False) for _ in range(layers)])
+    model = torch.nn.ModuleList(torch.nn.Linear(args.width, args.width, bias=False) for _ in range(layers))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:  # residual: every layer gets a gradient
+        for layer in model:
+            x = x + torch.tanh(layer(x))
+        return x
+
     for layer in model:
         torch.nn.init.normal_(layer.weight, std=0.02)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -76,10 +82,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
         full_bytes = sum(p.stat().st_size for p in previous.glob("*.safetensors"))
         print(f"{layers} layers of {args.width}x{args.width}: {full_bytes / 1e9:.2f} GB bf16; "
               f"full publish {full_seconds:.2f} s")  # fmt: skip
-        batch = torch.randn(8, args.width)
+        batch, target = torch.randn(8, args.width), torch.randn(8, args.width)
+        base = root / "step-0"
         for step in range(1, args.steps + 1):
             optimizer.zero_grad()
-            loss = model(batch).pow(2).mean()
+            loss = (forward(batch) - target).pow(2).mean()
             loss.backward()
             optimizer.step()
             current = save(step)
@@ -92,10 +99,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
             moved = sum(p.stat().st_size for p in published.path.rglob("*") if p.is_file())
             started = time.perf_counter()
             manifest = parse((published.path / MANIFEST_NAME).read_bytes())
+            full = published.path
             if manifest.delta is not None:
-                base = work / f"m{step - 1}" if step > 1 else root / "step-0"
-                materialize(base, published.path, manifest, work / f"m{step}")
+                full = work / f"m{step}"
+                materialize(base, published.path, manifest, full)
             materialize_seconds = time.perf_counter() - started
+            for shard in current.glob("*.safetensors"):  # what it produced is the trainer's, exactly
+                assert (full / shard.name).read_bytes() == shard.read_bytes(), shard.name
+            base = full
             row = {
                 "step": step,
                 "changed_fraction": round(changed, 5),

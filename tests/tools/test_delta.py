@@ -13,8 +13,10 @@ from safetensors.numpy import load_file, save_file
 
 from tests.support.checkpoints import write_weights
 from vllm_reloader.checkpoint import gate
-from vllm_reloader.checkpoint.delta import DeltaUnusable, materialize
+from vllm_reloader.checkpoint.delta import DeltaUnusable, write_container
 from vllm_reloader.checkpoint.manifest import DELTA_NAME, MANIFEST_NAME, base_fingerprint, parse
+from vllm_reloader.checkpoint.materialize import materialize
+from vllm_reloader.errors import PublishError
 from vllm_reloader.tools import delta as delta_tool
 from vllm_reloader.tools.delta import publish_delta
 from vllm_reloader.tools.publish import publish
@@ -191,3 +193,76 @@ def test_delta_base_shard_that_is_a_link_is_never_linked_to(tmp_path: Path, base
     with pytest.raises(DeltaUnusable, match="not a regular file"):
         materialize(first, version, manifest, tmp_path / "out")
     assert not (tmp_path / "out").exists(), "nothing partial is left"
+
+
+def delta_of(first: Path, weights: Path) -> Path:
+    published = publish_delta(weights, first.parent, delta_from=first.name, step=2)
+    assert published.delta, published.why_full
+    return published.path
+
+
+def test_delta_of_weights_whose_header_metadata_changed_is_published_whole(tmp_path: Path, base):
+    first, weights = base
+    for step in (1, 2):  # the same tensors, a header of the same length, other metadata
+        (tmp_path / f"m{step}").mkdir()
+        for shard in weights.glob("*.safetensors"):
+            save_file(
+                load_file(str(shard)), str(tmp_path / f"m{step}" / shard.name), metadata={"step": str(step)}
+            )
+        (tmp_path / f"m{step}" / "config.json").write_bytes((weights / "config.json").read_bytes())
+    publish(tmp_path / "m1", first.parent, name="m-1")
+    published = publish_delta(tmp_path / "m2", first.parent, delta_from="m-1", name="m-2")
+    assert not published.delta and "header (metadata)" in published.why_full
+
+
+def test_delta_file_other_than_its_manifest_lists_is_refused_and_nothing_is_left(tmp_path: Path, base):
+    first, weights = base
+    version = publish_delta(
+        trained(weights, tmp_path / "w2", {"a.weight": 2}), first.parent, delta_from="step-1", step=2
+    ).path
+    manifest = parse((version / MANIFEST_NAME).read_bytes())
+    (version / "config.json").write_text('{"architectures": ["Other"]}')
+    with pytest.raises(DeltaUnusable, match=r"config\.json"):
+        materialize(first, version, manifest, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_delta_container_declaring_an_entry_larger_than_its_tensor_is_refused_before_reading(
+    tmp_path: Path, base
+):
+    first, weights = base
+    version = publish_delta(
+        trained(weights, tmp_path / "w2", {"a.weight": 2}), first.parent, delta_from="step-1", step=2
+    ).path
+    manifest = parse((version / MANIFEST_NAME).read_bytes())
+    container = version / DELTA_NAME
+    container.unlink()
+    write_container(container, {"0.positions": ("U32", b"\0" * (1 << 20)), "0.values": ("U32", b"\0" * 8)})
+    entry = manifest.delta.file.model_copy(update={"size": container.stat().st_size})  # type: ignore[union-attr]
+    hostile = manifest.model_copy(update={"delta": manifest.delta.model_copy(update={"file": entry})})  # type: ignore[union-attr]
+    with pytest.raises(DeltaUnusable, match="more than"):
+        materialize(first, version, hostile, tmp_path / "out")
+
+
+def test_delta_folder_that_is_a_link_is_never_read_through(tmp_path: Path, base):
+    first, weights = base
+    version = publish_delta(
+        trained(weights, tmp_path / "w2", {"a.weight": 2}), first.parent, delta_from="step-1", step=2
+    ).path
+    manifest = parse((version / MANIFEST_NAME).read_bytes())
+    (version / "delta").rename(tmp_path / "outside")
+    (version / "delta").symlink_to(tmp_path / "outside")
+    with pytest.raises(DeltaUnusable, match="a link is never followed"):
+        materialize(first, version, manifest, tmp_path / "out")
+
+
+def test_delta_publish_refuses_a_name_taken_and_a_delta_folder_in_its_source(tmp_path: Path, base):
+    first, weights = base
+    second = trained(weights, tmp_path / "w2", {"a.weight": 2})
+    (first.parent / "step-2").mkdir()
+    with pytest.raises(PublishError, match="already exists"):
+        publish_delta(second, first.parent, delta_from="step-1", step=2)
+    (second / "delta").mkdir()
+    (second / "delta" / "x.json").write_text("{}")
+    with pytest.raises(PublishError, match="delta/ folder"):
+        publish_delta(second, first.parent, delta_from="step-1", step=3)

@@ -1,5 +1,5 @@
-"""The producer side of delta versions (`checkpoint.delta`): `publish SRC --delta-from VERSION`,
-and `publish_delta`, which a training loop calls after saving its weights.
+"""The producer side of delta versions (`checkpoint.delta`): `publish_delta`, which a training
+loop calls after saving its weights (no command-line flag until the daemon loads deltas).
 
 The base is a version already in the root. Each shard of SRC is compared with the base's shard
 of the same name, tensor by tensor: the changed ones go into `delta.safetensors`, each in its
@@ -27,11 +27,10 @@ from ..checkpoint.delta import (
     Encoded,
     digest,
     encode,
-    materialize,
     same_layout,
     write_container,
 )
-from ..checkpoint.files import header_in, is_top_level_shard, read_small
+from ..checkpoint.files import Header, header_in, is_top_level_shard, read_small
 from ..checkpoint.manifest import (
     DELTA_NAME,
     MANIFEST_NAME,
@@ -43,6 +42,8 @@ from ..checkpoint.manifest import (
     base_fingerprint,
     parse,
 )
+from ..checkpoint.materialize import materialize
+from ..durable import fsync_dir
 from ..errors import ManifestInvalid, NotJSONYet, PublishError
 from .publish import checked_name, claim, commit, copy_and_hash, default_name, publish, source_files
 
@@ -75,7 +76,8 @@ def publish_delta(
     """Publish SRC into ROOT as a delta of ROOT/`delta_from`, or whole when a delta cannot be,
     or would not be smaller. `base_weights`: the base's full shards as the trainer saved them
     (its previous step), so a delta of a delta is not produced again from its chain; were
-    they not the base's, every daemon refuses the delta, naming the first tensor that differs."""
+    they not the base's, materializing refuses the delta (a shard it produces, or one it says
+    is unchanged, is not the manifest's)."""
     name = checked_name(name or default_name(src, step))
     base = root / checked_name(delta_from)
     try:
@@ -87,6 +89,12 @@ def publish_delta(
     if depth > MAX_CHAIN:
         return _whole(src, root, name, step, f"{delta_from} ends a chain of {MAX_CHAIN} deltas")
     files = source_files(src)
+    if (root / name).exists():
+        raise PublishError(f"{root / name} already exists; versions are never overwritten")
+    if any(p.relative_to(src).parts[0] == DELTA_NAME.split("/")[0] for p in files):
+        raise PublishError(
+            f"{src}: a {DELTA_NAME.split('/')[0]}/ folder holds a delta's encodings: rename it"
+        )
     if base_weights is not None:
         changed, why = _changes(src, base_weights, files)
     else:
@@ -113,9 +121,15 @@ def publish_delta(
         )
         manifest = Manifest(format_version=1, version=name, step=step, files=tuple(listed), delta=delta)
         commit(incoming, root / name, manifest)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(incoming, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise PublishError(f"publishing {name}: {exc.strerror or exc}") from exc
         raise
+    try:
+        fsync_dir(root)  # the rename survives a crash
+    except OSError as exc:
+        raise PublishError(f"published {root / name}, but then: {exc.strerror or exc}") from exc
     return Published(root / name, delta=True)
 
 
@@ -138,7 +152,7 @@ def _changes(src: Path, base: Path, files: list[Path]) -> tuple[list[_Changed], 
     for shard in shards:
         with _mapped(src / shard) as new, _mapped(base / shard) as old:
             new_header, old_header = header_in(new.fd, shard), header_in(old.fd, shard)
-            if problem := same_layout(old_header, new_header):
+            if problem := same_layout(old_header, new_header) or _outside_tensors(old, new, new_header):
                 return [], f"{shard}: {problem}"
             for tensor in new_header.tensors:
                 span = slice(tensor.start, tensor.end)
@@ -147,6 +161,21 @@ def _changes(src: Path, base: Path, files: list[Path]) -> tuple[list[_Changed], 
                     if encoded is not None:
                         changed.append(_Changed(shard, tensor.name, encoded, digest(after)))
     return changed, ""
+
+
+def _outside_tensors(old: _Map, new: _Map, header: Header) -> str | None:
+    """What differs outside the tensors (the header's bytes, its metadata; gaps; the end):
+    a delta carries tensors only."""
+    if len(old.view) != len(new.view):
+        return "its size differs from the base's"
+    covered = 0
+    for tensor in sorted(header.tensors, key=lambda t: t.start):
+        if old.view[covered : tensor.start] != new.view[covered : tensor.start]:
+            return "its header (metadata) or a gap differs from the base's"
+        covered = max(covered, tensor.end)
+    if old.view[covered:] != new.view[covered:]:
+        return "bytes after its tensors differ from the base's"
+    return None
 
 
 @dataclass
@@ -175,11 +204,16 @@ def _mapped(path: Path) -> Iterator[_Map]:
 @contextmanager
 def _full_weights(root: Path, base: Path, manifest: Manifest) -> Iterator[Path]:
     """The base's full directory: itself, or, for a delta, what its chain produces (made in a
-    scratch folder of the root, which daemons ignore, and removed after)."""
+    scratch folder of the root, which daemons ignore, and removed after). Each link of the
+    chain must be one shallower than the next: a chain that loops ends at depth 0."""
     if manifest.delta is None:
         yield base
         return
     parent = _find(root, manifest.delta.base)
+    if parent is not None:
+        found = parse(read_small(parent / MANIFEST_NAME)).delta
+        if (found.depth if found else 0) != manifest.delta.depth - 1:
+            raise PublishError(f"{base.name}: its chain's depths do not follow each other: publish whole")
     if parent is None:
         raise PublishError(
             f"{base.name} is a delta whose base is no longer in {root}: publish a full version"
