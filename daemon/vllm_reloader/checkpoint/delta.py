@@ -11,9 +11,11 @@ its encoding and the blake3 of the bytes it produces.
 The encodings, in the container, under the tensor's index in `delta.tensors`:
 
 - `whole`: `I` — the new bytes (U8).
-- `sparse`: `I.positions` (U32, or U64 past 2**32 units: which units changed, ascending) and
-  `I.values` (their new bits). A unit is one element, as an unsigned integer of its width;
-  for the sub-byte dtypes (F4, F6) one byte.
+- `sparse`: which units changed, as the gaps between them (the first from -1): `I.gaps` (U8,
+  one per changed unit; 0 for a gap of 256 or more, which is the next of `I.far`: U32, or U64
+  past 2**32 units), and `I.values` (their new bits). A unit is one element, as an unsigned
+  integer of its width; for the sub-byte dtypes (F4, F6) one byte. Most gaps fit a byte: a
+  changed element costs its bits and about one byte.
 
 The producer takes, per tensor, whichever is smaller. A one-step update of bf16 weights from
 fp32 master weights moves only the elements whose update crossed a bf16 rounding step: sparse.
@@ -64,11 +66,11 @@ class DeltaUnusable(Exception):
 
 @dataclass(frozen=True)
 class Encoded:
-    """One changed tensor's encoding: the entries it adds to `delta.safetensors`."""
+    """One changed tensor's encoding: the entries it adds to the container."""
 
     encoding: Literal["whole", "sparse"]
     entries: dict[str, tuple[str, bytes]]
-    """key suffix ("" or ".positions", ".values") → (dtype, bytes)."""
+    """key suffix ("", or ".gaps", ".far", ".values") → (dtype, bytes)."""
 
     @property
     def nbytes(self) -> int:
@@ -81,6 +83,11 @@ def word(dtype: str) -> np.dtype[np.unsignedinteger]:
     return _WORDS[bits // 8] if bits in (8, 16, 32, 64) else _WORDS[1]
 
 
+def _wide(units: int) -> int:
+    """Bytes of a gap too long for one byte: 4, or 8 past 2**32 units."""
+    return 8 if units > 2**32 else 4
+
+
 def encode(old: bytes | memoryview, new: bytes | memoryview, dtype: str) -> Encoded | None:
     """The smaller encoding of `new` over `old` (same dtype and size); None if equal."""
     unit = word(dtype)
@@ -89,15 +96,18 @@ def encode(old: bytes | memoryview, new: bytes | memoryview, dtype: str) -> Enco
     positions = np.flatnonzero(before != after)
     if positions.size == 0:
         return None
-    wide = 8 if after.size > 2**32 else 4
-    sparse_bytes = positions.size * (wide + unit.itemsize)
+    gaps = np.diff(positions, prepend=-1)  # each at least 1
+    far = gaps[gaps > 255]
+    wide = _wide(after.size)
+    sparse_bytes = positions.size * (1 + unit.itemsize) + far.size * wide
     if sparse_bytes >= len(new):
         return Encoded("whole", {"": ("U8", bytes(new))})
-    index = positions.astype(_WORDS[wide])
+    near = np.where(gaps > 255, 0, gaps).astype(np.uint8)
     return Encoded(
         "sparse",
         {
-            ".positions": (_WORD_DTYPES[wide], index.tobytes()),
+            ".gaps": ("U8", near.tobytes()),
+            ".far": (_WORD_DTYPES[wide], far.astype(_WORDS[wide]).tobytes()),
             ".values": (_WORD_DTYPES[unit.itemsize], after[positions].tobytes()),
         },
     )
@@ -114,14 +124,19 @@ def apply(into: bytearray | memoryview, dtype: str, encoding: str, read: Callabl
         return
     unit = word(dtype)
     target = np.frombuffer(into, dtype=unit)
-    positions = np.frombuffer(read(".positions"), dtype=_WORDS[8 if target.size > 2**32 else 4])
+    near = np.frombuffer(read(".gaps"), dtype=np.uint8)
+    far = np.frombuffer(read(".far"), dtype=_WORDS[_wide(target.size)])
     values = np.frombuffer(read(".values"), dtype=unit)
-    if positions.size != values.size:
-        raise DeltaUnusable(f"{positions.size} positions for {values.size} values")
-    if positions.size and (
-        int(positions.max()) >= target.size or np.any(np.diff(positions.astype(np.int64)) <= 0)
-    ):
-        raise DeltaUnusable("positions outside the tensor or not ascending")
+    if near.size != values.size:
+        raise DeltaUnusable(f"{near.size} positions for {values.size} values")
+    escaped = near == 0
+    if int(escaped.sum()) != far.size or (far.size and int(far.min()) < 256):
+        raise DeltaUnusable("its long gaps do not match its escapes")
+    gaps = near.astype(np.int64)
+    gaps[escaped] = far.astype(np.int64)
+    positions = np.cumsum(gaps) - 1
+    if positions.size and int(positions[-1]) >= target.size:
+        raise DeltaUnusable("positions outside the tensor")
     target[positions] = values
 
 
@@ -189,14 +204,14 @@ class Container:
 @contextmanager
 def open_container(path: Path, entry: ManifestFile, tensors: int) -> Iterator[Container]:
     """The container, opened as the gate opens a writer's file (no link, regular only), only if
-    it has the size its manifest lists, a header of at most two entries per changed tensor, and
+    it has the size its manifest lists, a header of at most three entries per changed tensor, and
     every entry inside it."""
     fd = open_regular(path)
     try:
         if (size := os.fstat(fd).st_size) != entry.size:
             raise DeltaUnusable(f"{DELTA_NAME} has {size} bytes, its manifest lists {entry.size}")
         try:
-            header = header_in(fd, DELTA_NAME, max_tensors=2 * tensors)
+            header = header_in(fd, DELTA_NAME, max_tensors=3 * tensors)
         except LayoutUnreadable as exc:
             raise DeltaUnusable(str(exc)) from exc
         if (problem := layout_problem(DELTA_NAME, header, size)) is not None:

@@ -148,10 +148,10 @@ def _replace(
 
 
 def _reader(container: Container, index: int, tensor: bytearray, dtype: str) -> Callable[[str], bytes]:
-    """A tensor's entries, none larger than it can use: its bytes, or a position (U64 at most)
-    per element."""
+    """A tensor's entries, none larger than it can use: its bytes, a gap byte per element, or a
+    long gap (U64 at most) per element."""
     elements = len(tensor) // word(dtype).itemsize
-    limits = {"": len(tensor), ".values": len(tensor), ".positions": elements * 8}
+    limits = {"": len(tensor), ".values": len(tensor), ".gaps": elements, ".far": elements * 8}
 
     def read(suffix: str) -> bytes:
         return bytes(container.read(f"{index}{suffix}", limits.get(suffix, 0)))
