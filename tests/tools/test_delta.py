@@ -14,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 from tests.support.checkpoints import write_weights
 from vllm_reloader.checkpoint import gate
 from vllm_reloader.checkpoint.delta import DeltaUnusable, write_container
-from vllm_reloader.checkpoint.manifest import DELTA_NAME, MANIFEST_NAME, base_fingerprint, parse
+from vllm_reloader.checkpoint.manifest import DELTA_NAME, MANIFEST_NAME, Manifest, base_fingerprint, parse
 from vllm_reloader.checkpoint.materialize import materialize
 from vllm_reloader.errors import PublishError
 from vllm_reloader.tools import delta as delta_tool
@@ -195,10 +195,13 @@ def test_delta_base_shard_that_is_a_link_is_never_linked_to(tmp_path: Path, base
     assert not (tmp_path / "out").exists(), "nothing partial is left"
 
 
-def delta_of(first: Path, weights: Path) -> Path:
-    published = publish_delta(weights, first.parent, delta_from=first.name, step=2)
+def one_delta(tmp_path: Path, base: tuple[Path, Path]) -> tuple[Path, Path, Manifest]:
+    """The base version, a delta of it (one tensor, two elements) and the delta's manifest."""
+    first, weights = base
+    second = trained(weights, tmp_path / "w2", {"a.weight": 2})
+    published = publish_delta(second, first.parent, delta_from="step-1", step=2)
     assert published.delta, published.why_full
-    return published.path
+    return first, published.path, parse((published.path / MANIFEST_NAME).read_bytes())
 
 
 def test_delta_of_weights_whose_header_metadata_changed_is_published_whole(tmp_path: Path, base):
@@ -216,11 +219,7 @@ def test_delta_of_weights_whose_header_metadata_changed_is_published_whole(tmp_p
 
 
 def test_delta_file_other_than_its_manifest_lists_is_refused_and_nothing_is_left(tmp_path: Path, base):
-    first, weights = base
-    version = publish_delta(
-        trained(weights, tmp_path / "w2", {"a.weight": 2}), first.parent, delta_from="step-1", step=2
-    ).path
-    manifest = parse((version / MANIFEST_NAME).read_bytes())
+    first, version, manifest = one_delta(tmp_path, base)
     (version / "config.json").write_text('{"architectures": ["Other"]}')
     with pytest.raises(DeltaUnusable, match=r"config\.json"):
         materialize(first, version, manifest, tmp_path / "out")
@@ -230,11 +229,7 @@ def test_delta_file_other_than_its_manifest_lists_is_refused_and_nothing_is_left
 def test_delta_container_declaring_an_entry_larger_than_its_tensor_is_refused_before_reading(
     tmp_path: Path, base
 ):
-    first, weights = base
-    version = publish_delta(
-        trained(weights, tmp_path / "w2", {"a.weight": 2}), first.parent, delta_from="step-1", step=2
-    ).path
-    manifest = parse((version / MANIFEST_NAME).read_bytes())
+    first, version, manifest = one_delta(tmp_path, base)
     container = version / DELTA_NAME
     container.unlink()
     write_container(
@@ -248,11 +243,7 @@ def test_delta_container_declaring_an_entry_larger_than_its_tensor_is_refused_be
 
 
 def test_delta_folder_that_is_a_link_is_never_read_through(tmp_path: Path, base):
-    first, weights = base
-    version = publish_delta(
-        trained(weights, tmp_path / "w2", {"a.weight": 2}), first.parent, delta_from="step-1", step=2
-    ).path
-    manifest = parse((version / MANIFEST_NAME).read_bytes())
+    first, version, manifest = one_delta(tmp_path, base)
     (version / "delta").rename(tmp_path / "outside")
     (version / "delta").symlink_to(tmp_path / "outside")
     with pytest.raises(DeltaUnusable, match="a link is never followed"):
