@@ -220,6 +220,9 @@ def test_daemon_reloads_a_checkpoint_hf_wrote_without_a_manifest(start, root, tm
     assert engine.loaded == str(target)
 
 
+INDEX_YET = "no model.safetensors.index.json yet"
+
+
 def test_daemon_by_default_serves_an_hf_checkpoint_copied_in_and_says_what_one_waits_for(start, root):
     write_weights(root / "checkpoint-100")
     engine = FakeEngine(startup=str(root / "checkpoint-100"))
@@ -231,8 +234,12 @@ def test_daemon_by_default_serves_an_hf_checkpoint_copied_in_and_says_what_one_w
     assert seen == [("checkpoint-100", "debug"), ("checkpoint-150", "info")], "at start: not one line each"
     target = root / "checkpoint-200"
     shards = write_weights(target, seed=2, shards=2)
-    waiting = running.wait_for("checkpoint.pending", name="checkpoint-200")
-    assert "no model.safetensors.index.json yet" in waiting["reason"]
+    deadline = time.monotonic() + 10  # seen while its shards were written, it may say so first
+    while not [
+        e for e in running.events("checkpoint.pending", name="checkpoint-200") if INDEX_YET in e["reason"]
+    ]:
+        assert time.monotonic() < deadline, running.events("checkpoint.pending", name="checkpoint-200")
+        time.sleep(0.02)
     pending = status.answer(running.daemon.snapshot())["pending"]
     assert "model.safetensors.index.json" in pending["checkpoint-200"]
     (target / INDEX_NAME).write_bytes(hf_index(shards))
