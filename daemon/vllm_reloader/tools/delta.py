@@ -11,7 +11,6 @@ The version appears whole or not at all, as `publish` places it (`claim`, `commi
 
 from __future__ import annotations
 
-import mmap
 import os
 import shutil
 import tempfile
@@ -19,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import blake3
 
@@ -30,7 +30,7 @@ from ..checkpoint.delta import (
     same_layout,
     write_container,
 )
-from ..checkpoint.files import Header, header_in, is_top_level_shard, read_small
+from ..checkpoint.files import header_in, is_top_level_shard, read_exactly, read_small
 from ..checkpoint.manifest import (
     DELTA_NAME,
     MANIFEST_NAME,
@@ -91,27 +91,26 @@ def publish_delta(
     files = source_files(src)
     if (root / name).exists():
         raise PublishError(f"{root / name} already exists; versions are never overwritten")
-    if any(p.relative_to(src).parts[0] == DELTA_NAME.split("/")[0] for p in files):
-        raise PublishError(
-            f"{src}: a {DELTA_NAME.split('/')[0]}/ folder holds a delta's encodings: rename it"
-        )
+    folder = DELTA_NAME.split("/")[0]
+    if any(p.relative_to(src).parts[0] == folder for p in files):
+        raise PublishError(f"{src}: a {folder}/ folder holds a delta's encodings: rename it")
     if base_weights is not None:
-        changed, why = _changes(src, base_weights, files)
+        changed, shard_entries, why = _changes(src, base_weights, files)
     else:
         with _full_weights(root, base, base_manifest) as full_base:
-            changed, why = _changes(src, full_base, files)
+            changed, shard_entries, why = _changes(src, full_base, files)
     if why:
         return _whole(src, root, name, step, why)
-    entries = {
-        f"{i}{suffix}": item for i, c in enumerate(changed) for suffix, item in c.encoded.entries.items()
-    }
     if changed and all(c.encoded.encoding == "whole" for c in changed):
         return _whole(src, root, name, step, "every changed tensor changed whole: a delta is no smaller")
+    entries = {f"{i}{key}": item for i, c in enumerate(changed) for key, item in c.encoded.entries.items()}
     incoming = claim(root, name)
     try:
         (incoming / DELTA_NAME).parent.mkdir()
         write_container(incoming / DELTA_NAME, entries)
-        listed = [_listed(src, path, incoming) for path in files]
+        listed = [
+            shard_entries.get(p.relative_to(src).as_posix()) or _copied(src, p, incoming) for p in files
+        ]
         delta = Delta(
             base=base_fp,
             base_version=delta_from,
@@ -142,63 +141,57 @@ def _whole(src: Path, root: Path, name: str, step: int | None, why: str) -> Publ
     return Published(publish(src, root, name=name, step=step), delta=False, why_full=why)
 
 
-def _changes(src: Path, base: Path, files: list[Path]) -> tuple[list[_Changed], str]:
-    """Each changed tensor of SRC's shards over the base's, or why there can be no delta."""
-    shards = [p.relative_to(src).as_posix() for p in files if _is_shard(src, p)]
+def _changes(src: Path, base: Path, files: list[Path]) -> tuple[list[_Changed], dict[str, ManifestFile], str]:
+    """Each changed tensor of SRC's shards over the base's, and SRC's shards' entries (from the
+    same one read of their bytes), or why there can be no delta."""
+    shards = [_relative(src, p) for p in files if _is_shard(src, p)]
     theirs = sorted(p.name for p in base.iterdir() if is_top_level_shard(p.name))
     if sorted(shards) != theirs:
-        return [], "its shards are not the base's (names)"
+        return [], {}, "its shards are not the base's (names)"
     changed: list[_Changed] = []
+    entries: dict[str, ManifestFile] = {}
     for shard in shards:
-        with _mapped(src / shard) as new, _mapped(base / shard) as old:
-            new_header, old_header = header_in(new.fd, shard), header_in(old.fd, shard)
-            if problem := same_layout(old_header, new_header) or _outside_tensors(old, new, new_header):
-                return [], f"{shard}: {problem}"
-            for tensor in new_header.tensors:
-                span = slice(tensor.start, tensor.end)
-                with new.view[span] as after, old.view[span] as before:
-                    encoded = encode(before, after, tensor.dtype)
-                    if encoded is not None:
-                        changed.append(_Changed(shard, tensor.name, encoded, digest(after)))
-    return changed, ""
+        found = _diff(shard, src / shard, base / shard)
+        if isinstance(found, str):
+            return [], {}, f"{shard}: {found}"
+        changed += found[0]
+        entries[shard] = found[1]
+    return changed, entries, ""
 
 
-def _outside_tensors(old: _Map, new: _Map, header: Header) -> str | None:
-    """What differs outside the tensors (the header's bytes, its metadata; gaps; the end):
-    a delta carries tensors only."""
-    if len(old.view) != len(new.view):
-        return "its size differs from the base's"
-    covered = 0
-    for tensor in sorted(header.tensors, key=lambda t: t.start):
-        if old.view[covered : tensor.start] != new.view[covered : tensor.start]:
-            return "its header (metadata) or a gap differs from the base's"
-        covered = max(covered, tensor.end)
-    if old.view[covered:] != new.view[covered:]:
-        return "bytes after its tensors differ from the base's"
-    return None
+def _diff(shard: str, new_path: Path, old_path: Path) -> tuple[list[_Changed], ManifestFile] | str:
+    """One shard's changed tensors and its entry, reading both files once, front to back (read,
+    never mapped: a file truncated meanwhile is an error, not a SIGBUS); or what differs
+    outside the tensors (the header, its metadata, a gap, the size), which a delta cannot carry."""
+    with open(new_path, "rb") as new, open(old_path, "rb") as old:
+        new_header, old_header = header_in(new.fileno(), shard), header_in(old.fileno(), shard)
+        if problem := same_layout(old_header, new_header):
+            return problem
+        size = os.fstat(new.fileno()).st_size
+        if os.fstat(old.fileno()).st_size != size:
+            return "its size differs from the base's"
+        hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        changed: list[_Changed] = []
+        covered = 0
+        for tensor in [*sorted(new_header.tensors, key=lambda t: t.start), None]:
+            start = size if tensor is None else tensor.start
+            if (between := _read(new, covered, start)) != _read(old, covered, start):
+                return "its header (metadata), a gap or its end differs from the base's"
+            hasher.update(between)
+            if tensor is None:
+                break
+            after, before = _read(new, tensor.start, tensor.end), _read(old, tensor.start, tensor.end)
+            hasher.update(after)
+            if (encoded := encode(before, after, tensor.dtype)) is not None:
+                changed.append(_Changed(shard, tensor.name, encoded, digest(after)))
+            covered = max(covered, tensor.end)
+    return changed, ManifestFile(path=shard, size=size, blake3=hasher.hexdigest())
 
 
-@dataclass
-class _Map:
-    fd: int
-    view: memoryview
-
-
-@contextmanager
-def _mapped(path: Path) -> Iterator[_Map]:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        size = os.fstat(fd).st_size
-        mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
-        view = memoryview(mapped) if mapped is not None else memoryview(b"")
-        try:
-            yield _Map(fd, view)
-        finally:
-            view.release()
-            if mapped is not None:
-                mapped.close()
-    finally:
-        os.close(fd)
+def _read(file: BinaryIO, start: int, end: int) -> bytes:
+    data = bytearray(max(0, end - start))
+    read_exactly(file.fileno(), memoryview(data), start)
+    return bytes(data)
 
 
 @contextmanager
@@ -210,15 +203,13 @@ def _full_weights(root: Path, base: Path, manifest: Manifest) -> Iterator[Path]:
         yield base
         return
     parent = _find(root, manifest.delta.base)
-    if parent is not None:
-        found = parse(read_small(parent / MANIFEST_NAME)).delta
-        if (found.depth if found else 0) != manifest.delta.depth - 1:
-            raise PublishError(f"{base.name}: its chain's depths do not follow each other: publish whole")
     if parent is None:
         raise PublishError(
             f"{base.name} is a delta whose base is no longer in {root}: publish a full version"
         )
     parent_manifest = parse(read_small(parent / MANIFEST_NAME))
+    if (parent_manifest.delta.depth if parent_manifest.delta else 0) != manifest.delta.depth - 1:
+        raise PublishError(f"{base.name}: its chain's depths do not follow each other: publish whole")
     with (
         _full_weights(root, parent, parent_manifest) as full_parent,
         tempfile.TemporaryDirectory(dir=root, prefix=".delta-base-") as scratch,
@@ -244,23 +235,25 @@ def _find(root: Path, fingerprint: str) -> Path | None:
     return None
 
 
-def _listed(src: Path, path: Path, incoming: Path) -> ManifestFile:
-    """A file of the full version: a shard by its digest only, any other copied in whole."""
-    relative = path.relative_to(src).as_posix()
-    if not is_top_level_shard(relative):
-        target = incoming / relative
-        target.parent.mkdir(parents=True, exist_ok=True)
-        digest_, size, fd = copy_and_hash(path, target)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return ManifestFile(path=relative, size=size, blake3=digest_)
-    return _entry(path, relative)
+def _copied(src: Path, path: Path, incoming: Path) -> ManifestFile:
+    """A file of the full version that is no shard: copied in whole, synced, listed."""
+    relative = _relative(src, path)
+    target = incoming / relative
+    target.parent.mkdir(parents=True, exist_ok=True)
+    digest_, size, fd = copy_and_hash(path, target)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return ManifestFile(path=relative, size=size, blake3=digest_)
+
+
+def _relative(src: Path, path: Path) -> str:
+    return path.relative_to(src).as_posix()
 
 
 def _is_shard(src: Path, path: Path) -> bool:
-    return is_top_level_shard(path.relative_to(src).as_posix())
+    return is_top_level_shard(_relative(src, path))
 
 
 def _entry(path: Path, relative: str) -> ManifestFile:
