@@ -92,7 +92,7 @@ def _produce(
             else:
                 if (theirs := listed.get(entry.path)) is None or theirs.size != entry.size:
                     raise DeltaUnusable(f"{entry.path}: the base has none of {entry.size} bytes")
-                _copy(base / entry.path, target, theirs)
+                _copy(base / entry.path, target, theirs, produced=False)  # checked once produced
                 _replace(target, entry, changed[entry.path], container)
     _check_file(container_path, delta.file)  # after the tensors: a bad one is named
     write_synced(out / MANIFEST_NAME, dumps(manifest.produced()))
@@ -195,9 +195,10 @@ def _link_or_copy(source: Path, target: Path, entry: ManifestFile) -> None:
         _copy(source, target, entry)
 
 
-def _copy(source: Path, target: Path, entry: ManifestFile) -> None:
-    """A copy of a regular file (no link followed), only if it is `entry`'s size; its bytes
-    are checked by the caller or against `entry` as they land."""
+def _copy(source: Path, target: Path, entry: ManifestFile, *, produced: bool = True) -> None:
+    """A copy of a regular file (no link followed), only if it is `entry`'s size; then synced
+    and checked against `entry`, unless it is not `produced` yet (a shard whose tensors are
+    replaced next, then synced and checked whole against the version's entry)."""
     try:
         fd = open_regular(source)
     except FileNotFoundError:
@@ -213,7 +214,8 @@ def _copy(source: Path, target: Path, entry: ManifestFile) -> None:
                 done += n
             if done != size:
                 raise DeltaUnusable(f"{entry.path} ended at {done} of {size} bytes while copied")
-            out.flush()
+            if not produced:
+                return
             os.fsync(out.fileno())
         with target.open("rb") as copied:
             _check_fd(copied.fileno(), entry, entry.path)
