@@ -131,12 +131,12 @@ def _run(config_path: Path, priority_prefix: bool) -> int:
 
 def _publish(args: argparse.Namespace) -> int:
     from .config import REMOTE_SCHEMES
-    from .config.base import shared_root_problem
+    from .config.base import SHARED_ROOT, shared_root_problem
 
     if problem := shared_root_problem(args.into):
         return _fail(2, f"--into {args.into}: {problem}")
-    if args.into.startswith("file://"):  # a shared root is a directory here: publish into it as one
-        args.into = args.into.removeprefix("file://")
+    if args.into.startswith(SHARED_ROOT):  # a shared root is a directory here: publish into it as one
+        args.into = args.into.removeprefix(SHARED_ROOT)
     if args.into.startswith(REMOTE_SCHEMES):
         from .tools.upload import publish_remote
 

@@ -10,7 +10,9 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationInfo
 
-REMOTE_SCHEMES = ("s3://", "gs://", "az://", "file://")
+SHARED_ROOT = "file://"
+"""The scheme of a shared filesystem root, read like a store (`sources.filestore`)."""
+REMOTE_SCHEMES = ("s3://", "gs://", "az://", SHARED_ROOT)
 """Copied into the cache before anything reads it: object stores, and a shared filesystem root
 (`file:///mnt/checkpoints`, NFS or the like), where writers on other hosts can change a file
 under a reader."""
@@ -44,9 +46,9 @@ def _known_scheme(value: str) -> str:
 
 def shared_root_problem(value: str) -> str | None:
     """Why a `file://` location names no shared root (a relative path, a host, `/` itself)."""
-    if not value.startswith("file://"):
+    if not value.startswith(SHARED_ROOT):
         return None
-    if not value.startswith("file:///") or value.rstrip("/") == "file:":
+    if not value.startswith(SHARED_ROOT + "/") or value.rstrip("/") == "file:":
         return "file:// needs an absolute path below / (file:///mnt/checkpoints)"
     return "must not hold a NUL character" if "\0" in value else None
 

@@ -35,10 +35,11 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..checkpoint.files import MAX_SMALL_BYTES, OPEN_FLAGS, read_exactly
+from ..config.base import SHARED_ROOT
 from ..errors import ConfigError, KeyUnreadable, ObjectChanged, PublishError, SourceError
 from .objstore import Bucket, Data, Object, Skip, Store, Unlistable, skip_nothing
 
-SCHEME = "file://"
+SCHEME = SHARED_ROOT
 TEMPORARY = ".vllm-reloader-tmp"
 """The end of a write's temporary name: never listed."""
 SETTLE_NS = 1_000_000_000
